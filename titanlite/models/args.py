@@ -1,0 +1,46 @@
+"""Llama 3 shapes (no torch import: run_train.sh checks layouts against them before launching)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256  # 0 = take it from the tokenizer
+    multiple_of: int = 1024  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = 1.3
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = True  # Llama 3.1 long-context frequency scaling
+    max_seq_len: int = 131072
+    depth_init: bool = True  # scale output projections' init std by depth
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def with_vocab(self, vocab_size: int) -> "ModelArgs":
+        return self if self.vocab_size else replace(self, vocab_size=vocab_size)
+
+
+# Meta's published shapes (Llama 3.1); debugmodel follows TorchTitan's, with the tokenizer's vocab.
+LLAMA3_FLAVORS = {
+    "debugmodel": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None
+    ),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.3),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.3),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.2),
+}

@@ -1,0 +1,183 @@
+"""Llama 3 as a plain nn.Module: RoPE (theta + Llama 3.1 scaling), GQA, SwiGLU, RMSNorm, causal SDPA.
+
+No parallel code lives here. Layers sit in an nn.ModuleDict keyed "0".."n-1" and the embedding,
+final norm and output may be None, so a pipeline stage is this model with modules removed and
+parameter names (FQNs) stay the same on every layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.args import ModelArgs
+
+# Wrappers (activation checkpointing, torch.compile) insert these into parameter names.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_fqn(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def rope_cache(args: ModelArgs, seq_len: int, device=None) -> torch.Tensor:
+    """(seq_len, head_dim) table: cos of each rotation frequency in the first half, sin in the second."""
+    half = args.head_dim // 2
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    if args.rope_scaling:
+        freqs = _llama31_scaled(freqs)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _llama31_scaled(freqs: torch.Tensor, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_ctx=8192):
+    """Llama 3.1: slow down low frequencies by `factor`, keep high ones, blend in between."""
+    wavelen = 2 * math.pi / freqs
+    low_wavelen, high_wavelen = old_ctx / low_freq_factor, old_ctx / high_freq_factor
+    smooth = (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / factor, blended)
+    return torch.where(wavelen < high_wavelen, freqs, scaled)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x0, x1) of each head (Meta's layout). x: (b, s, h, d), rope: (s, d)."""
+    half = x.shape[-1] // 2
+    cos = rope[: x.shape[1], :half].view(1, x.shape[1], 1, half)
+    sin = rope[: x.shape[1], half:].view(1, x.shape[1], 1, half)
+    pairs = x.float().unflatten(-1, (half, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        repeats = q.shape[2] // k.shape[2]  # GQA: share each kv head among `repeats` query heads
+        k, v = (t.repeat_interleave(repeats, dim=2) if repeats > 1 else t for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: recomputed after materialization, never checkpointed.
+        self.register_buffer("rope", rope_cache(args, args.max_seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    # ---- initialization ----
+
+    def init_std(self, fqn: str) -> float | None:
+        """Init std of a parameter by name; None means ones (norm weights)."""
+        args, parts = self.args, fqn.split(".")
+        if parts[-2:] == ["tok_embeddings", "weight"]:
+            return 1.0
+        if parts[0] == "output":
+            return args.dim**-0.5
+        if "norm" in parts[-2]:
+            return None
+        layer_id = int(parts[1])
+        depth_std = 0.02 / (2 * (layer_id + 1)) ** 0.5 if args.depth_init else 0.02 / (2 * args.n_layers) ** 0.5
+        return depth_std if parts[-2] in ("wo", "w2", "w3") else 0.02
+
+    def initial_value(self, fqn: str, shape, device, seed: int) -> torch.Tensor:
+        """The full initial tensor of one parameter, from a generator seeded by (seed, name).
+
+        Seeding per name makes the weights identical whether the model is whole, sharded or split
+        into pipeline stages: every layout builds the same full tensor and keeps its own slice.
+        """
+        std = self.init_std(fqn)
+        if std is None:
+            return torch.ones(shape, device=device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(zlib.crc32(f"{seed}:{fqn}".encode()))
+        out = torch.empty(shape, device=device)
+        if fqn.startswith("tok_embeddings"):
+            return out.normal_(0.0, std, generator=gen)
+        return nn.init.trunc_normal_(out, std=std, a=-3 * std, b=3 * std, generator=gen)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, assign=None) -> None:
+        """Initialize every parameter (depth-scaled) and recompute the RoPE table.
+
+        `assign(param, full_value)` copies a full tensor into a parameter; the parallel code passes
+        one that keeps only the local shard of a DTensor.
+        """
+        assign = assign or (lambda param, value: param.copy_(value))
+        for name, param in self.named_parameters():
+            assign(param, self.initial_value(canonical_fqn(name), param.shape, param.device, seed))
+        self.rope = rope_cache(self.args, self.args.max_seq_len, device=self.rope.device)
+
+    # ---- size and cost ----
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per non-embedding weight, plus attention scores and values.
+
+        12 * layers * heads * head_dim * seq_len counts QK^T and AV (2 matmuls x 2 FLOPs x 3 for
+        forward + backward) without halving for the causal mask, as PaLM, nanoGPT and TorchTitan do.
+        """
+        a = self.args
+        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len

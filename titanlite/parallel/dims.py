@@ -1,0 +1,134 @@
+"""ParallelDims: the parallel degrees, their checks, and ONE DeviceMesh with named dims.
+
+Mesh dims, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. Derived (flattened) views:
+  batch = dp_replicate x dp_shard   ranks that read different data
+  loss  = dp_replicate x dp_shard x cp   ranks whose token counts and losses are summed
+  fsdp  = dp_shard x cp   ranks that FSDP shards parameters over
+Components ask `get_mesh(name)` instead of building groups of their own.
+The checks are plain Python so run_train.sh can run them before torchrun starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titanlite.config import ConfigError, JobConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DERIVED = {
+    "batch": ("dp_replicate", "dp_shard"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+    "fsdp": ("dp_shard", "cp"),
+}
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    _meshes: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_config(cls, config: JobConfig, world_size: int) -> "ParallelDims":
+        p = config.parallelism
+        dp_replicate, tp, pp, cp = (
+            p.data_parallel_replicate_degree,
+            p.tensor_parallel_degree,
+            p.pipeline_parallel_degree,
+            p.context_parallel_degree,
+        )
+        others = dp_replicate * cp * tp * pp
+        dp_shard = p.data_parallel_shard_degree
+        layout = f"dp_replicate={dp_replicate} cp={cp} tp={tp} pp={pp}"
+        if dp_shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"parallelism degrees ({layout}, product {others}) do not divide the world size {world_size}; "
+                    "choose degrees whose product divides the number of ranks"
+                )
+            dp_shard = world_size // others
+        if dp_shard * others != world_size:
+            raise ConfigError(
+                f"parallelism degrees (dp_shard={dp_shard} {layout}) multiply to {dp_shard * others}, "
+                f"not the world size {world_size}; set parallelism.data_parallel_shard_degree=-1 or fix the degrees"
+            )
+        dims = cls(dp_replicate, dp_shard, cp, tp, pp, world_size)
+        dims.check_sequence(config.training.seq_len)
+        return dims
+
+    def check_sequence(self, seq_len: int) -> None:
+        divisor = self.seq_len_divisor
+        if seq_len % divisor:
+            raise ConfigError(
+                f"training.seq_len={seq_len} must be divisible by {divisor} (tp={self.tp} x 2 x cp={self.cp}); "
+                f"use a multiple of {divisor}"
+            )
+
+    def check_model(self, n_heads: int, n_kv_heads: int) -> None:
+        for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            if value % self.tp:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree={self.tp} does not divide the model's {name}={value}; "
+                    f"choose a divisor of {value}"
+                )
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """Sequence parallel splits the sequence over tp; load-balanced CP splits it into 2*cp chunks."""
+        return self.tp * (2 * self.cp if self.cp > 1 else 1)
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that share one stream of tokens: tokens/s per device divides by this."""
+        return self.cp * self.tp * self.pp
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS) + f" (world {self.world_size})"
+
+    def build_mesh(self, device_type: str):
+        """Create the world mesh (pp, dp_replicate, dp_shard, cp, tp) and its flattened views."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(getattr(self, n) for n in MESH_DIMS)
+        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        self._meshes = {"world": world}
+        for name, dims in DERIVED.items():
+            # Keep the handle _flatten returns: slicing flattened names from the root is deprecated.
+            self._meshes[name] = world[dims]._flatten(name)
+        return world
+
+    def get_mesh(self, name: str | tuple[str, ...]):
+        """A named 1-D dim ('tp'), a derived view ('batch', 'loss', 'fsdp'), or a tuple of dims."""
+        if not self._meshes:
+            raise RuntimeError("ParallelDims.build_mesh() must run before get_mesh()")
+        if name in self._meshes:
+            return self._meshes[name]
+        return self._meshes["world"][name]
