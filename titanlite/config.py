@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titanlite.models.args import LLAMA3_FLAVORS
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -49,7 +51,7 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "model size preset", choices=("debugmodel", "8B", "70B", "405B"))
+    flavor: str = opt("debugmodel", "model size preset", choices=tuple(LLAMA3_FLAVORS))
     tokenizer_path: str = opt(
         "shakespeare-bpe8k",
         "'byte' (no files), 'shakespeare-bpe8k' (bundled), or a tokenizer.json / tiktoken file or a folder holding one",
@@ -444,4 +446,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Re-import so ConfigError is the same class the other modules raise (not __main__.ConfigError).
+    from titanlite.config import main as check_config
+
+    check_config()

@@ -31,14 +31,20 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def with_vocab(self, vocab_size: int) -> "ModelArgs":
-        return self if self.vocab_size else replace(self, vocab_size=vocab_size)
+    def with_vocab(self, tokenizer_vocab: int) -> "ModelArgs":
+        """Flavors with vocab_size 0 take the tokenizer's, padded to a multiple of 64 so the embedding
+        and output split evenly under tensor parallel (and matmuls align)."""
+        return self if self.vocab_size else replace(self, vocab_size=-(-tokenizer_vocab // 64) * 64)
 
 
 # Meta's published shapes (Llama 3.1); debugmodel follows TorchTitan's, with the tokenizer's vocab.
 LLAMA3_FLAVORS = {
     "debugmodel": ModelArgs(
         dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None
+    ),
+    # The debug model with grouped-query attention (4 query heads per kv head), as the big flavors have.
+    "debugmodel_gqa": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None
     ),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.3),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.3),

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Launch titanlite with torchrun.
+#
+#   ./run_train.sh                                   # default config; 1 process on CPU, all GPUs on CUDA
+#   CONFIG_FILE=train_configs/llama3_8b.toml NGPU=8 ./run_train.sh --training.steps 100
+#   NNODES=2 NODE_RANK=0 RDZV_ENDPOINT=host0:29500 ./run_train.sh      # on each node (c10d rendezvous)
+#   COMM_MODE=fake_backend NGPU=512 ./run_train.sh   # dry run: check a 512-rank layout in one process
+#
+# Env: NGPU (processes per node; default: the GPU count, or 1 without GPUs), CONFIG_FILE, LOG_RANK
+# (ranks whose output is shown, default 0), NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID, COMM_MODE.
+# Extra arguments are config overrides (--section.key value) passed to the trainer.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+if [ -z "${NGPU:-}" ]; then
+    NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    [ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+LOG_RANK=${LOG_RANK:-0}
+COMM_MODE=${COMM_MODE:-}
+# CPU runs: one thread per process unless the user says otherwise (ranks share the cores).
+if [ "$NGPU" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
+
+# Check the config (and --help) before starting any process: a bad key fails here in one line.
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.config --job.config_file "$CONFIG_FILE" "$@"
+for arg in "$@"; do case "$arg" in -h|--help) exit 0 ;; esac; done
+
+if [ "$COMM_MODE" = "fake_backend" ]; then
+    WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" --job.dry_run "$@"
+fi
+
+if [ "$NNODES" -gt 1 ]; then
+    RENDEZVOUS=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
+        --rdzv_endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for multi-node runs}"
+        --rdzv_id "${RDZV_ID:-titanlite}")
+else
+    RENDEZVOUS=(--standalone)
+fi
+
+exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" \
+    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m titanlite.train --job.config_file "$CONFIG_FILE" "$@"

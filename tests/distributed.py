@@ -1,0 +1,79 @@
+"""Run a function on N gloo processes on CPU: the base of every distributed test.
+
+Each rank is a spawned process with its own process group on a free port. A rank's return value
+comes back to the test; a rank's exception fails the test with that rank's traceback. Ranks end
+with barrier + destroy_process_group + os._exit(0), which avoids gloo's flaky abort at interpreter
+exit (shared/notes/cpu_feasibility.md).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, True, fn(*args)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
+    """fn(*args) on every rank; returns the ranks' return values in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, object]] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        if not results.empty():
+            rank, ok, value = results.get()
+            outcomes[rank] = (ok, value)
+            if not ok:
+                break  # the other ranks may be stuck in a collective waiting for this one
+        elif any(p.exitcode not in (None, 0) for p in procs):
+            break
+        else:
+            time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=5 if len(outcomes) == world_size else 0.1)
+        if p.is_alive():
+            p.kill()
+    failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+    if failures:
+        raise AssertionError("distributed test failed\n" + "\n".join(failures))
+    if len(outcomes) < world_size:
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
+        raise AssertionError(f"distributed test: only ranks {sorted(outcomes)} reported (timeout or crash); exit codes {codes}")
+    return [outcomes[r][1] for r in range(world_size)]

@@ -1,0 +1,153 @@
+"""Throughput, TFLOPS, MFU, memory; one console line, TensorBoard scalars and metrics.jsonl rows.
+
+Per-device figures: tokens/s per device = tokens this data-parallel rank consumed / seconds /
+(cp * tp * pp), since those ranks share one stream of tokens. MFU = flops_per_token * tps / peak.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
+GPU_PEAK_FLOPS = [
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM / NVL
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 125e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+]
+
+
+def peak_flops(device: torch.device, configured: float) -> tuple[float, str]:
+    """(peak FLOP/s per device, how it was obtained) for the MFU denominator."""
+    if configured > 0:
+        return configured, "configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS:
+            if key in name:
+                return value, f"{key} bf16 spec"
+        return 312e12, f"unknown GPU '{name}': A100 bf16 peak assumed"
+    return measure_cpu_flops(), "CPU fp32 matmul, measured"
+
+
+def measure_cpu_flops(n: int = 512, seconds: float = 0.3) -> float:
+    """Best sustained fp32 matmul rate of this process's threads: the honest CPU 'peak'."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm up
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+
+
+class MetricsLogger:
+    """Accumulates timing between log steps and writes the console, TensorBoard and JSONL rows.
+
+    Only the rank that holds the loss (`writes_files`) writes files; every rank may print, and
+    torchrun's LOG_RANK filter chooses whose lines a person sees.
+    """
+
+    def __init__(self, config, device: torch.device, flops_per_token: int, tokens_divisor: int, writes_files: bool):
+        m = config.metrics
+        self.device, self.flops_per_token, self.tokens_divisor = device, flops_per_token, tokens_divisor
+        self.peak, self.peak_source = peak_flops(device, m.peak_flops)
+        self.folder = Path(config.job.dump_folder)
+        self.writes_files = writes_files
+        self.jsonl = None
+        self.tb = None
+        if writes_files:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(self.folder / "metrics.jsonl", "a")
+            if m.enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.folder / m.save_tb_folder / time.strftime("%Y%m%d-%H%M%S")))
+        self.start = time.perf_counter()
+        self.reset()
+
+    def reset(self) -> None:
+        self.window_start = time.perf_counter()
+        self.tokens = 0
+        self.data_seconds = 0.0
+        self.steps = 0
+
+    def record_step(self, tokens: int, data_seconds: float) -> None:
+        self.tokens += tokens
+        self.data_seconds += data_seconds
+        self.steps += 1
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int) -> dict:
+        seconds = time.perf_counter() - self.window_start
+        tps = self.tokens / seconds / self.tokens_divisor
+        tflops = self.flops_per_token * tps / 1e12
+        row = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": tps,
+            "tflops": tflops,
+            "mfu": 100 * tflops * 1e12 / self.peak,
+            "memory_gib": peak_memory_gib(self.device),
+            "step_time_s": seconds / self.steps,
+            "data_share": self.data_seconds / seconds,
+            "tokens_seen": tokens_seen,
+            "elapsed_s": time.perf_counter() - self.start,
+        }
+        print(
+            f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:7.3f} | lr {lr:.2e} | "
+            f"tps {tps:>9,.0f} | tflops {tflops:7.2f} | mfu {row['mfu']:5.2f}% | mem {row['memory_gib']:6.2f} GiB | "
+            f"data {100 * row['data_share']:4.1f}% | {row['elapsed_s']:7.1f}s",
+            flush=True,
+        )
+        self._write(step, row)
+        self.reset()
+        return row
+
+    def log_validation(self, step: int, loss: float) -> dict:
+        row = {"step": step, "val_loss": loss, "val_perplexity": float(torch.tensor(loss).exp())}
+        print(f"step {step:>6} | validation loss {loss:8.4f} | perplexity {row['val_perplexity']:10.2f}", flush=True)
+        self._write(step, row)
+        return row
+
+    def _write(self, step: int, row: dict) -> None:
+        if self.jsonl:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for key, value in row.items():
+                if key != "step":
+                    self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        for handle in (self.jsonl, self.tb):
+            if handle:
+                handle.close()
+
+
+def log_line(message: str) -> None:
+    print(f"titanlite: {message}", file=sys.stdout, flush=True)

@@ -1,0 +1,82 @@
+"""AdamW, the learning-rate schedule (warmup, stable, decay), and grad-norm clipping over any mesh."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titanlite.config import JobConfig
+
+
+def build_optimizer(params, config: JobConfig) -> torch.optim.Optimizer:
+    o = config.optimizer
+    cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
+    # Fused/foreach kernels cannot mix DTensors and plain tensors (e.g. norms under TP without
+    # sequence parallel stay plain), so each kind gets its own param group.
+    params = list(params)
+    groups = [
+        {"params": group}
+        for group in ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        if group
+    ]
+    return cls(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl)
+
+
+def lr_factor(step: int, steps: int, warmup: int, decay_ratio: float | None, decay_type: str, min_factor: float) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based), warmup-stable-decay.
+
+    Warmup rises linearly to 1 at the last warmup step. The last `decay_ratio * steps` steps (all
+    steps after warmup when decay_ratio is None) decay from 1 to `min_factor` along `decay_type`.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    decay_steps = steps - warmup if decay_ratio is None else round(decay_ratio * steps)
+    decay_start = steps - decay_steps
+    if step < decay_start or decay_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    curve = {
+        "linear": 1.0 - progress,
+        "sqrt": 1.0 - math.sqrt(progress),
+        "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+    }[decay_type]
+    return min_factor + (1.0 - min_factor) * curve
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    s, steps = config.lr_scheduler, config.training.steps
+
+    def factor(step: int) -> float:
+        return lr_factor(step, steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Total L2 norm of all gradients, correct whatever the layout, then clip to max_norm (if > 0).
+
+    DTensor gradients (FSDP/TP shards) give partial norms that `full_tensor()` reduces over their
+    mesh; plain-tensor gradients are whole on every rank and count once. Under pipeline parallel
+    each stage holds different parameters, so squared norms are summed over the pp group too.
+    """
+    params = [p for p in params if p.grad is not None]
+    distributed = [p for p in params if isinstance(p.grad, DTensor)]
+    local = [p for p in params if not isinstance(p.grad, DTensor)]
+    total_sq = torch.zeros((), device=params[0].grad.device if params else "cpu")
+    if distributed:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in distributed], foreach=True)
+        total_sq += norm.full_tensor().float() ** 2
+    if local:
+        total_sq += torch.nn.utils.get_total_norm([p.grad for p in local], foreach=True).float() ** 2
+    if pp_group is not None:
+        torch.distributed.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        for group in (distributed, local):  # foreach kernels take DTensors and plain tensors apart
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total

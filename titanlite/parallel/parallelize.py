@@ -1,0 +1,68 @@
+"""The one place where a plain model becomes a parallel one, in a fixed order you can read:
+
+    tensor parallel -> (float8) -> (context parallel) -> (activation checkpointing) -> (compile) -> FSDP
+
+Steps in parentheses are filled in by their own modules as they land.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titanlite.config import JobConfig
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.tensor import apply_tp
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def param_dtype(config: JobConfig, device_type: str) -> torch.dtype:
+    name = config.training.mixed_precision_param
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
+    return dims.tp_enabled and not config.parallelism.disable_loss_parallel
+
+
+def data_parallel_mesh(dims: ParallelDims):
+    """FSDP's mesh: 1-D over fsdp, or 2-D (dp_replicate, fsdp) for HSDP and DDP."""
+    if dims.dp_replicate > 1:
+        return dims.get_mesh(("dp_replicate", "fsdp"))
+    return dims.get_mesh("fsdp")
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str) -> nn.Module:
+    p = config.parallelism
+    if dims.tp_enabled:
+        apply_tp(model, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config))
+
+    dtype = param_dtype(config, device_type)
+    # FSDP also carries mixed precision, so a single device in bf16 gets it too.
+    if dims.dp_enabled or dims.cp_enabled or dtype != torch.float32:
+        reshard = {"default": not dims.pp_enabled, "always": True, "never": False}[p.fsdp_reshard_after_forward]
+        apply_fsdp(
+            model,
+            data_parallel_mesh(dims),
+            param_dtype=dtype,
+            reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+            reshard_after_forward=reshard,
+            reshard_output_after_forward=p.fsdp_reshard_after_forward == "always",
+        )
+    return model
+
+
+@torch.no_grad()
+def assign_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into a parameter, keeping only this rank's shard of a DTensor."""
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor, so slice locally, no communication.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)

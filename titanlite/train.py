@@ -1,0 +1,259 @@
+"""Entry point: `torchrun ... -m titanlite.train --job.config_file FILE [--section.key value ...]`.
+
+Trainer.__init__ builds everything in order (mesh, tokenizer, model on meta, parallelize,
+materialize + init, optimizer, data, metrics); Trainer.train is the loop; train_step is one
+optimizer step over the gradient-accumulation microbatches.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.config import ConfigError, JobConfig, parse_args
+from titanlite.data.dataset import build_dataloader
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.metrics import MetricsLogger, log_line
+from titanlite.models import build_model, model_args
+from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
+
+IGNORE_INDEX = -100
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def init_distributed(dry_run: bool) -> torch.device:
+    """Join the process group (nccl on CUDA, gloo on CPU); a plain `python -m` run is a world of 1."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if dry_run:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(os.environ["WORLD_SIZE"]))
+        return torch.device("meta")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    return device
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed over valid tokens; the caller divides by the global count of valid tokens."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Trainer:
+    def __init__(self, config: JobConfig, device: torch.device):
+        self.config, self.device = config, device
+        t = config.training
+        self.dims = ParallelDims.from_config(config, dist.get_world_size())
+        self.dims.build_mesh("cpu" if device.type == "meta" else device.type)
+        torch.manual_seed(t.seed)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        self.tokenizer = build_tokenizer(config.model.tokenizer_path)
+        args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, t.seq_len)
+        self.dims.check_model(args.n_heads, args.n_kv_heads)
+        if self.tokenizer.vocab_size > args.vocab_size:
+            raise ConfigError(
+                f"model.tokenizer_path='{config.model.tokenizer_path}' has {self.tokenizer.vocab_size} tokens, more "
+                f"than model.flavor='{config.model.flavor}' embeds ({args.vocab_size}); use a smaller tokenizer"
+            )
+        self.model = build_model(args)
+        self.num_params = self.model.num_params()
+        self.flops_per_token = self.model.flops_per_token(t.seq_len)
+        parallelize(self.model, self.dims, config, device.type)
+        self.loss_parallel = loss_parallel_enabled(self.dims, config)
+        if device.type == "meta":
+            return  # dry run: nothing to materialize
+        self.model.to_empty(device=device)
+        self.model.init_weights(t.seed, assign=assign_full_value)
+        self.model.train()
+
+        self.optimizer = build_optimizer(self.model.parameters(), config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
+
+        batch_mesh = self.dims.get_mesh("batch")
+        self.dp_rank, self.dp_degree = batch_mesh.get_local_rank(), batch_mesh.size()
+        self.batch_group, self.loss_group = batch_mesh.get_group(), self.dims.get_mesh("loss").get_group()
+        per_step = t.local_batch_size * self.dp_degree
+        global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+        if global_batch % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x dp "
+                f"= {t.local_batch_size} x {self.dp_degree}; use a multiple of {per_step}"
+            )
+        self.accumulation_steps = global_batch // per_step
+        self.dataloader = build_dataloader(config, self.tokenizer, self.dp_rank, self.dp_degree)
+        self.step, self.tokens_seen = 0, 0
+        self.metrics = MetricsLogger(
+            config,
+            device,
+            self.flops_per_token,
+            tokens_divisor=self.dims.non_data_parallel_size,
+            writes_files=dist.get_rank() == 0,
+        )
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+        """One microbatch; returns this rank's share of the global mean loss (already backpropagated)."""
+        with loss_parallel() if self.loss_parallel else nullcontext():
+            loss = local_value(cross_entropy_sum(self.model(inputs), labels)) / global_tokens
+            loss.backward()
+        return loss.detach()
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over the microbatches. Returns (global mean loss, grad norm)."""
+        loss = self.compute_gradients(microbatches)
+        grad_norm = self.apply_gradients()
+        return loss, grad_norm
+
+    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward/backward every microbatch; returns the global mean loss over all ranks' tokens."""
+        # Dividing each rank's summed loss by the global token count makes the summed gradients
+        # the gradient of the global mean, whatever the dp degree and accumulation steps.
+        global_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
+        dist.all_reduce(global_tokens, group=self.batch_group)
+        loss = sum(self.forward_backward(x, y, global_tokens) for x, y in microbatches)
+        dist.all_reduce(loss, group=self.loss_group)
+        return loss.item()
+
+    def apply_gradients(self) -> float:
+        """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm."""
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
+
+    def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = [next(data_iter) for _ in range(self.accumulation_steps)]
+        return [(x.to(self.device), y.to(self.device)) for x, y in batches]
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        v = self.config.validation
+        self.model.eval()
+        loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
+        totals = torch.zeros(2, device=self.device)  # summed loss, valid tokens
+        for _, (x, y) in zip(range(v.steps), loader):
+            x, y = x.to(self.device), y.to(self.device)
+            with loss_parallel() if self.loss_parallel else nullcontext():
+                totals[0] += local_value(cross_entropy_sum(self.model(x), y)).float()
+            totals[1] += (y != IGNORE_INDEX).sum()
+        dist.all_reduce(totals, group=self.loss_group)
+        self.model.train()
+        if totals[1] == 0:
+            raise ConfigError("validation data yielded no full sequence; use a larger validation set or shorter seq_len")
+        return (totals[0] / totals[1]).item()
+
+    def train(self) -> None:
+        t, m, v = self.config.training, self.config.metrics, self.config.validation
+        tokens_per_step = self.accumulation_steps * t.local_batch_size * t.seq_len
+        log_line(
+            f"model {self.config.model.name} {self.config.model.flavor}: {self.num_params:,} params, "
+            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; layout {self.dims.describe()}; "
+            f"{self.accumulation_steps} microbatch(es)/step; MFU peak {self.metrics.peak / 1e12:.2f} TFLOP/s "
+            f"({self.metrics.peak_source}); device {self.device}"
+        )
+        gc.disable()  # collect at fixed steps instead, so ranks don't stall at different times
+        gc.collect()
+        data_iter = iter(self.dataloader)
+        loss = grad_norm = float("nan")
+        while self.step < t.steps:
+            self.step += 1
+            if self.step % t.gc_freq == 0:
+                gc.collect(1)
+            data_start = time.perf_counter()
+            microbatches = self.next_microbatches(data_iter)
+            data_seconds = time.perf_counter() - data_start
+            loss, grad_norm = self.train_step(microbatches)
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"loss is {loss} at step {self.step}; training stopped. Lower optimizer.lr, raise "
+                    "lr_scheduler.warmup_steps or check the data"
+                )
+            self.tokens_seen += tokens_per_step * self.dp_degree
+            self.metrics.record_step(tokens_per_step, data_seconds)
+            if self.step == 1 or self.step % m.log_freq == 0 or self.step == t.steps:
+                lr = self.lr_scheduler.get_last_lr()[0]
+                self.metrics.log(self.step, loss, grad_norm, lr, self.tokens_seen)
+            if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
+                self.metrics.log_validation(self.step, self.validate())
+                self.metrics.reset()  # keep evaluation time out of the next throughput window
+        elapsed = time.perf_counter() - self.metrics.start
+        log_line(
+            f"done: {self.step} steps, final loss {loss:.4f}, {self.tokens_seen:,} tokens in {elapsed:.1f}s "
+            f"({self.tokens_seen / elapsed / self.dims.world_size:,.0f} tokens/s per device), metrics in {self.metrics.folder / 'metrics.jsonl'}"
+        )
+        self.metrics.close()
+
+    def describe_dry_run(self) -> None:
+        """What each rank would hold, from the meta-device model: checks a big layout on a laptop."""
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
+        # fp32 params + grads + two Adam moments per local parameter.
+        log_line(
+            f"dry run OK: layout {self.dims.describe()}; model {self.num_params:,} params, "
+            f"{local:,} on rank 0 (~{16 * local / 2**30:.1f} GiB of params, grads and AdamW states); "
+            f"{self.flops_per_token / 1e9:.2f} GFLOPs/token"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    code = 0
+    try:
+        config = parse_args(argv)
+        device = init_distributed(config.job.dry_run)
+        trainer = Trainer(config, device)
+        if config.job.dry_run:
+            trainer.describe_dry_run()
+        else:
+            if dist.get_rank() == 0:
+                config.save(trainer.metrics.folder / "config.toml")
+            trainer.train()
+        dist.barrier()
+    except ConfigError as e:
+        print(f"titanlite: config error: {e}", file=sys.stderr)
+        code = 2
+    except TrainingDiverged as e:
+        print(f"titanlite: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # os._exit: gloo worker threads can abort the interpreter's shutdown (see shared/notes/cpu_feasibility.md).
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
