@@ -88,8 +88,15 @@ class Training:
         "'shakespeare' (built in), a Hugging Face hub dataset name, or a local file/folder/glob "
         "(.jsonl, .jsonl.gz, .parquet, .txt)",
     )
-    dataset_path: str = opt("", "local path or hub config for `dataset` (overrides where it is read from)")
+    dataset_path: str = opt("", "local file, folder or glob to read `dataset` from")
     dataset_text_field: str = opt("text", "the column holding the document text")
+    data_split: str = opt(
+        "documents",
+        "how data-parallel ranks split the data: 'documents' (each reads a disjoint part: fast at scale) or "
+        "'sequences' (each reads the whole stream and takes its rows of every global batch: the same batches, "
+        "and losses, on any layout)",
+        choices=("documents", "sequences"),
+    )
     local_batch_size: int = opt(8, "sequences per data-parallel rank per microbatch")
     global_batch_size: int = opt(
         -1, "sequences per optimizer step over all ranks; -1 = local_batch_size x dp (no gradient accumulation)"
@@ -439,7 +446,9 @@ def main(argv: list[str] | None = None) -> None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         from titanlite.parallel.dims import ParallelDims
 
-        ParallelDims.from_config(config, world_size)
+        dims = ParallelDims.from_config(config, world_size)
+        args = LLAMA3_FLAVORS[config.model.flavor]
+        dims.check_model(args.n_heads, args.n_kv_heads)
     except ConfigError as e:
         print(f"titanlite: config error: {e}", file=sys.stderr)
         raise SystemExit(2)

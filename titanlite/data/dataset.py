@@ -68,7 +68,7 @@ def load_documents(name: str, path: str, split: str):
 
     if name == "shakespeare" and not path:
         return load_dataset("json", data_files=str(shakespeare_files()[split]), split="train", streaming=True)
-    location = path or name
+    location = os.path.expanduser(path or name)
     files = _local_files(location)
     if files:
         builders = {_builder(f) for f in files}
@@ -80,21 +80,39 @@ def load_documents(name: str, path: str, split: str):
         builder = builders.pop()
         kwargs = {"sample_by": "document"} if builder == "text" else {}
         return load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-    if path or os.sep in name or name.startswith("."):
+    looks_local = name.startswith(("/", ".", "~")) or any(c in name for c in "*?[") or _builder(name)
+    if path or looks_local:
         raise ConfigError(f"training.dataset_path='{location}' matches no files; give an existing file, folder or glob")
     _check_hub_reachable(name)
     return load_dataset(name, split=split, streaming=True)
 
 
 class TokenWindows(IterableDataset, Stateful):
-    """Packs tokenized documents into (input, label) windows of seq_len; resumable exactly."""
+    """Packs tokenized documents into (input, label) windows of seq_len; resumable exactly.
 
-    def __init__(self, documents, tokenizer: Tokenizer, seq_len: int, text_field: str = "text", infinite: bool = True):
+    With ranks > 1 the stream is split by windows: consecutive blocks of `block` windows go to
+    ranks 0, 1, ... in turn, so rank r's batch k holds rows r*B..(r+1)*B-1 of the global batch k
+    that one process with batch ranks*B would see.
+    """
+
+    def __init__(
+        self,
+        documents,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        text_field: str = "text",
+        infinite: bool = True,
+        rank: int = 0,
+        ranks: int = 1,
+        block: int = 1,
+    ):
         self.documents, self.tokenizer, self.seq_len = documents, tokenizer, seq_len
         self.text_field, self.infinite = text_field, infinite
+        self.rank, self.ranks, self.block = rank, ranks, block
         self._start = documents.state_dict()
         self._buffer: list[int] = []
         self.epoch = 0
+        self.windows = 0  # windows cut from the stream so far, all ranks' included
 
     def __iter__(self):
         window = self.seq_len + 1
@@ -109,7 +127,10 @@ class TokenWindows(IterableDataset, Stateful):
                 while len(self._buffer) >= window:
                     tokens = torch.tensor(self._buffer[:window], dtype=torch.long)
                     self._buffer = self._buffer[window:]
-                    yield tokens[:-1], tokens[1:]
+                    mine = (self.windows // self.block) % self.ranks == self.rank
+                    self.windows += 1
+                    if mine:
+                        yield tokens[:-1], tokens[1:]
             if not self.infinite:
                 return
             self.epoch += 1
@@ -117,11 +138,16 @@ class TokenWindows(IterableDataset, Stateful):
             self.documents.load_state_dict(self._start)
 
     def state_dict(self) -> dict:
-        return {"documents": self.documents.state_dict(), "buffer": list(self._buffer), "epoch": self.epoch}
+        return {
+            "documents": self.documents.state_dict(),
+            "buffer": list(self._buffer),
+            "epoch": self.epoch,
+            "windows": self.windows,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.documents.load_state_dict(state["documents"])
-        self._buffer, self.epoch = list(state["buffer"]), state["epoch"]
+        self._buffer, self.epoch, self.windows = list(state["buffer"]), state["epoch"], state["windows"]
 
 
 def build_dataloader(
@@ -140,6 +166,11 @@ def build_dataloader(
                 f"validation.enable=true but validation.dataset is empty and training.dataset='{t.dataset}' is local "
                 "files with no held-out part; set validation.dataset or validation.dataset_path"
             )
-    documents = split_dataset_by_node(load_documents(name, path, split), rank=dp_rank, world_size=dp_degree)
-    windows = TokenWindows(documents, tokenizer, t.seq_len, t.dataset_text_field, infinite=split == "train")
+    documents = load_documents(name, path, split)
+    if t.data_split == "documents":
+        documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_degree)
+        dp_rank, dp_degree = 0, 1  # this rank's documents are all its own
+    windows = TokenWindows(
+        documents, tokenizer, t.seq_len, t.dataset_text_field, split == "train", dp_rank, dp_degree, t.local_batch_size
+    )
     return StatefulDataLoader(windows, batch_size=t.local_batch_size, num_workers=0)

@@ -1,0 +1,90 @@
+"""End to end through the real CLI: torchrun (and run_train.sh) -> metrics.jsonl, TensorBoard, the saved
+config; the same losses on 1 process and on parallel layouts; clear one-line errors; the dry run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, tiny_args
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_torchrun_run_writes_metrics_tensorboard_and_config(corpus_jsonl, tmp_path):
+    out = torchrun(1, tiny_args(corpus_jsonl, tmp_path, "--metrics.enable_tensorboard", "true", "--validation.enable",
+                                "--validation.dataset", str(corpus_jsonl), "--validation.freq", "5"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics(tmp_path)
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+    for key in ("loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "data_share", "elapsed_s"):
+        assert all(isinstance(r[key], float) for r in train), key
+    assert all(r["tps"] > 0 and r["mfu"] > 0 for r in train)
+    (val,) = [r for r in rows if "val_loss" in r]
+    assert val["step"] == 5 and val["val_perplexity"] > 1
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert "training.steps" not in (tmp_path / "config.toml").read_text() and "steps = 5" in (tmp_path / "config.toml").read_text()
+    assert "done: 5 steps" in out.stdout
+
+
+def test_run_train_sh_passes_overrides(corpus_jsonl, tmp_path):
+    env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_model.toml", "PYTHON": sys.executable}
+    args = tiny_args(corpus_jsonl, tmp_path)[2:]  # run_train.sh passes --job.config_file itself
+    out = subprocess.run(["./run_train.sh", *args, "--training.steps", "2"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path):
+    for ngpu, args, words in [
+        (4, ["--training.stepz", "3"], "did you mean 'training.steps'"),
+        (4, ["--parallelism.tensor_parallel_degree", "3"], "do not divide the world size 4"),
+        (4, ["--parallelism.data_parallel_shard_degree", "3"], "multiply to 3, not the world size 4"),
+        (8, ["--parallelism.tensor_parallel_degree", "8", "--model.flavor", "debugmodel_gqa"], "does not divide the model's n_kv_heads=4"),
+        (2, ["--training.seq_len", "255", "--parallelism.tensor_parallel_degree", "2"], "seq_len=255 must be divisible by 2"),
+    ]:
+        env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
+        out = subprocess.run(["./run_train.sh", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.strip().count("\n") == 0 and words in out.stderr, (args, out.stderr)
+
+
+def test_dry_run_checks_a_512_gpu_layout_in_one_process():
+    env = {**os.environ, "NGPU": "64", "NNODES": "8", "COMM_MODE": "fake_backend", "PYTHON": sys.executable,
+           "CONFIG_FILE": "train_configs/llama3_405b.toml"}
+    out = subprocess.run(["./run_train.sh"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dry run OK" in out.stdout and "world 512" in out.stdout and "tp=8" in out.stdout
+
+
+def test_parallel_layouts_match_one_process_through_the_cli(corpus_jsonl, tmp_path):
+    """Free-running loss curves of 8 steps: 1 process vs FSDP 2, TP 2 and FSDP 2 x TP 2 (same global batches)."""
+    common = ["--training.steps", "8", "--training.data_split", "sequences", "--model.flavor", "debugmodel_gqa"]
+    runs = {
+        "single": (1, ["--training.local_batch_size", "4"]),
+        "fsdp2": (2, ["--training.local_batch_size", "2"]),
+        "tp2": (2, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+        "fsdp2_tp2": (4, ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    }
+    losses = {}
+    for name, (nproc, extra) in runs.items():
+        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra))
+        assert out.returncode == 0, (name, out.stderr[-3000:])
+        losses[name] = [r["loss"] for r in metrics(tmp_path / name)]
+    assert len(losses["single"]) == 8 and losses["single"][-1] < losses["single"][0]
+    for name, curve in losses.items():
+        diff = max(abs(a - b) for a, b in zip(curve, losses["single"]))
+        assert diff < 1e-4, f"{name}: {curve} vs {losses['single']} (max diff {diff:.2e})"
