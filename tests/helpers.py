@@ -39,3 +39,19 @@ def tiny_args(dataset: Path, dump_folder: Path, *extra: str) -> list[str]:
         "--job.dump_folder", str(dump_folder),
         *extra,
     ]
+
+
+def run_command(cmd: list[str], timeout: float = 300, **kwargs):
+    """subprocess.run in its own process group, killed whole on timeout (torchrun's workers too)."""
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

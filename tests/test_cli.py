@@ -3,20 +3,19 @@ config; the same losses on 1 process and on parallel layouts; clear one-line err
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, tiny_args
+from helpers import REPO, run_command, tiny_args
 
 pytestmark = pytest.mark.slow
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], timeout: int = 300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return run_command(cmd, timeout=timeout, cwd=REPO, env=env)
 
 
 def metrics(folder) -> list[dict]:
@@ -43,7 +42,7 @@ def test_torchrun_run_writes_metrics_tensorboard_and_config(corpus_jsonl, tmp_pa
 def test_run_train_sh_passes_overrides(corpus_jsonl, tmp_path):
     env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_model.toml", "PYTHON": sys.executable}
     args = tiny_args(corpus_jsonl, tmp_path)[2:]  # run_train.sh passes --job.config_file itself
-    out = subprocess.run(["./run_train.sh", *args, "--training.steps", "2"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    out = run_command(["./run_train.sh", *args, "--training.steps", "2"], cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
 
@@ -57,7 +56,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
         (2, ["--training.seq_len", "255", "--parallelism.tensor_parallel_degree", "2"], "seq_len=255 must be divisible by 2"),
     ]:
         env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
-        out = subprocess.run(["./run_train.sh", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+        out = run_command(["./run_train.sh", *args], timeout=120, cwd=REPO, env=env)
         assert out.returncode == 2, (args, out.stderr)
         assert out.stderr.strip().count("\n") == 0 and words in out.stderr, (args, out.stderr)
 
@@ -65,7 +64,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
 def test_dry_run_checks_a_512_gpu_layout_in_one_process():
     env = {**os.environ, "NGPU": "64", "NNODES": "8", "COMM_MODE": "fake_backend", "PYTHON": sys.executable,
            "CONFIG_FILE": "train_configs/llama3_405b.toml"}
-    out = subprocess.run(["./run_train.sh"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    out = run_command(["./run_train.sh"], cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run OK" in out.stdout and "world 512" in out.stdout and "tp=8" in out.stdout
 

@@ -60,6 +60,7 @@ def test_torchtitan_location_of_mixed_precision_is_accepted():
         (["--parallelism.data_parallel_shard_degree", "0"], ["data_parallel_shard_degree=0", "-1"]),
         (["--job.config_file", "/nonexistent.toml"], ["/nonexistent.toml", "does not exist"]),
         (["stray"], ["unexpected argument 'stray'"]),
+        (["--float8.enable"], ["float8.enable", "not available"]),
     ],
 )
 def test_bad_input_names_key_value_and_fix(args, words):

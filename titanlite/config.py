@@ -411,6 +411,18 @@ def validate(config: JobConfig) -> None:
     _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
     for part in config.compile.components:
         _require(part in ("model", "loss"), f"compile.components has '{part}'; allowed: model, loss")
+    # Sections later work fills in: refuse them loudly rather than train without them.
+    not_built = {
+        "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree != 1,
+        "parallelism.context_parallel_degree": p.context_parallel_degree != 1,
+        "float8.enable": config.float8.enable,
+        "checkpoint.enable": config.checkpoint.enable,
+        "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",
+        "compile.enable": config.compile.enable,
+        "profiling.enable_profiling": config.profiling.enable_profiling,
+    }
+    for key, requested in not_built.items():
+        _require(not requested, f"{key} is not available in this version of titanlite yet; leave it at its default")
     sac = config.activation_checkpoint.selective_ac_option
     _require(
         sac == "op" or (sac.isdigit() and int(sac) >= 1),

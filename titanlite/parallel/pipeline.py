@@ -1,0 +1,109 @@
+"""Pipeline parallel: split the model into stages, place them on the pp ranks, build a torch schedule.
+
+A stage is the same Llama model with the modules it does not own removed (layers deleted from the
+ModuleDict, embedding / norm / output set to None), so parameter names stay those of the whole
+model and no pipeline code lives in the model. The embedding and [norm + output] each count as one
+extra layer when layers are spread over stages. Multi-stage schedules place stages in loop order
+(rank r holds r, r + pp, ...); V schedules (ZBVZeroBubble, DualPipeV) in V order (r and 2pp-1-r).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from torch import nn
+
+from titanlite.config import ConfigError, JobConfig
+
+V_SCHEDULES = ("zbvzerobubble", "dualpipev")
+
+
+def schedule_class(name: str):
+    """The torch schedule class for a name, or a clear error naming what this torch offers."""
+    from torch.distributed.pipelining import schedules
+
+    try:
+        return schedules.get_schedule_class(name)
+    except ValueError:
+        offered = [n for n in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                               "ZBVZeroBubble", "DualPipeV") if _offered(schedules, n)]
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule='{name}' is not a schedule of the installed torch; "
+            f"choose one of: {', '.join(offered)}"
+        )
+
+
+def _offered(schedules, name: str) -> bool:
+    try:
+        schedules.get_schedule_class(name)
+        return True
+    except ValueError:
+        return False
+
+
+def is_multi_stage(cls) -> bool:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    return issubclass(cls, PipelineScheduleMulti)
+
+
+def stage_module_names(config: JobConfig, n_layers: int, pp: int, multi_stage: bool) -> list[list[str]]:
+    """Module names of each stage, in pipeline order."""
+    p = config.parallelism
+    units = [["tok_embeddings"]] + [[f"layers.{i}"] for i in range(n_layers)] + [["norm", "output"]]
+    if p.module_fqns_per_model_part:
+        stages = [part.split() for part in p.module_fqns_per_model_part]
+        flat = [name for stage in stages for name in stage]
+        expected = [name for unit in units for name in unit]
+        if flat != expected:
+            raise ConfigError(
+                f"parallelism.module_fqns_per_model_part={p.module_fqns_per_model_part} must list every module "
+                f"once, in order: {' '.join(expected)} (one string per stage, names separated by spaces)"
+            )
+        return stages
+    if p.pipeline_parallel_layers_per_stage > 0:
+        n_stages = math.ceil(len(units) / p.pipeline_parallel_layers_per_stage)
+    else:
+        n_stages = pp * (2 if multi_stage else 1)
+    if n_stages > len(units):
+        raise ConfigError(
+            f"{n_stages} pipeline stages for {len(units)} layers (embedding and output count as one each); "
+            "use fewer stages or a larger parallelism.pipeline_parallel_layers_per_stage"
+        )
+    base, extra = divmod(len(units), n_stages)
+    stages, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)  # earlier stages take the remainder
+        stages.append([name for unit in units[start : start + size] for name in unit])
+        start += size
+    return stages
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, n_stages: int, schedule_name: str, multi_stage: bool) -> list[int]:
+    name = f"parallelism.pipeline_parallel_schedule='{schedule_name}'"
+    if n_stages % pp:
+        raise ConfigError(f"{n_stages} pipeline stages do not divide evenly over pipeline_parallel_degree={pp}")
+    per_rank = n_stages // pp
+    if not multi_stage and per_rank != 1:
+        raise ConfigError(f"{name} runs one stage per rank, but the split gives {per_rank}; use a multi-stage schedule")
+    if schedule_name.lower() in V_SCHEDULES:
+        if per_rank != 2:
+            raise ConfigError(f"{name} needs exactly 2 stages per rank, the split gives {per_rank}")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    if multi_stage and per_rank < 2:
+        raise ConfigError(f"{name} needs 2 or more stages per rank; set pipeline_parallel_layers_per_stage lower")
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def split_model(model: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of the (meta-device) model holding only the named modules."""
+    stage = copy.deepcopy(model)
+    keep = set(names)
+    for key in list(stage.layers.keys()):
+        if f"layers.{key}" not in keep:
+            del stage.layers[key]
+    for name in ("tok_embeddings", "norm", "output"):
+        if name not in keep:
+            setattr(stage, name, None)
+    return stage
