@@ -54,6 +54,11 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
         (4, ["--parallelism.data_parallel_shard_degree", "3"], "multiply to 3, not the world size 4"),
         (8, ["--parallelism.tensor_parallel_degree", "8", "--model.flavor", "debugmodel_gqa"], "does not divide the model's n_kv_heads=4"),
         (2, ["--training.seq_len", "255", "--parallelism.tensor_parallel_degree", "2"], "seq_len=255 must be divisible by 2"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Nope"], "choose one of: GPipe, 1F1B"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+             "--parallelism.pipeline_parallel_layers_per_stage", "2"], "runs one stage per rank, but the split gives 2"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+             "--parallelism.pipeline_parallel_layers_per_stage", "1"], "needs exactly 2 stages per rank"),
     ]:
         env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
         out = run_command(["./run_train.sh", *args], timeout=120, cwd=REPO, env=env)
@@ -70,20 +75,23 @@ def test_dry_run_checks_a_512_gpu_layout_in_one_process():
 
 
 def test_parallel_layouts_match_one_process_through_the_cli(corpus_jsonl, tmp_path):
-    """Free-running loss curves of 8 steps: 1 process vs FSDP 2, TP 2 and FSDP 2 x TP 2 (same global batches)."""
-    common = ["--training.steps", "8", "--training.data_split", "sequences", "--model.flavor", "debugmodel_gqa"]
+    """Free-running loss curves of 8 steps: 1 process vs FSDP 2, PP 2 and FSDP 2 x TP 2 (same global batches)."""
+    common = ["--training.steps", "8", "--training.data_split", "sequences", "--model.flavor", "debugmodel_gqa",
+              "--validation.enable", "--validation.dataset", str(corpus_jsonl), "--validation.freq", "4"]
     runs = {
         "single": (1, ["--training.local_batch_size", "4"]),
         "fsdp2": (2, ["--training.local_batch_size", "2"]),
-        "tp2": (2, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+        "pp2": (2, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
         "fsdp2_tp2": (4, ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]),
     }
     losses = {}
     for name, (nproc, extra) in runs.items():
         out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra))
         assert out.returncode == 0, (name, out.stderr[-3000:])
-        losses[name] = [r["loss"] for r in metrics(tmp_path / name)]
-    assert len(losses["single"]) == 8 and losses["single"][-1] < losses["single"][0]
+        rows = metrics(tmp_path / name)
+        losses[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(losses["single"]) == 8 + 2 and losses["single"][7] < losses["single"][0]
     for name, curve in losses.items():
         diff = max(abs(a - b) for a, b in zip(curve, losses["single"]))
         assert diff < 1e-4, f"{name}: {curve} vs {losses['single']} (max diff {diff:.2e})"

@@ -37,7 +37,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str]) -> dict:
     trainer = Trainer(config, torch.device("cpu"))
     t, o, s = config.training, config.optimizer, config.lr_scheduler
 
-    reference = Transformer(trainer.model.args)
+    reference = Transformer(trainer.model_parts[0].args)
     reference.init_weights(t.seed)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
         reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
@@ -46,7 +46,9 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str]) -> dict:
         ref_opt, lambda i: lr_factor(i, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
     )
     ref_params = dict(reference.named_parameters())
-    pairs = [(name, p, ref_params[canonical_fqn(name)]) for name, p in trainer.model.named_parameters()]
+    pairs = [
+        (name, p, ref_params[canonical_fqn(name)]) for part in trainer.model_parts for name, p in part.named_parameters()
+    ]
     worst = {"init": 0.0, "loss": 0.0, "grad": 0.0, "grad_norm": 0.0, "param": 0.0}
 
     def record(key: str, value: float, where: str) -> None:
@@ -118,6 +120,12 @@ def check(results: list[dict]) -> None:
 
 
 TP = "--parallelism.tensor_parallel_degree"
+PP = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
+
+
+def schedule(name: str) -> list[str]:
+    return ["--parallelism.pipeline_parallel_schedule", name]
+
 CASES_2 = {
     "fsdp2": [],
     "fsdp2_grad_accumulation": ["--training.global_batch_size", "8"],
@@ -128,16 +136,47 @@ CASES_2 = {
     "tp2_no_lp": [TP, "2", "--parallelism.disable_loss_parallel"],
     "tp2_no_sp_no_lp": [TP, "2", "--parallelism.enable_sequence_parallel", "false", "--parallelism.disable_loss_parallel"],
 }
+# Pipeline parallel on 2 ranks: every single-stage schedule, every multi-stage one with 2 stages per
+# rank (loop order, or V order for ZBVZeroBubble/DualPipeV), explicit stages, gradient accumulation.
+CASES_PP2 = {
+    "pp2_gpipe": PP + schedule("GPipe"),
+    "pp2_1f1b": PP + schedule("1F1B"),
+    "pp2_1f1b_grad_accumulation": PP + schedule("1F1B") + ["--training.global_batch_size", "8"],
+    "pp2_1f1b_explicit_stages": PP + schedule("1F1B") + [
+        "--parallelism.module_fqns_per_model_part", "tok_embeddings layers.0,layers.1 layers.2 layers.3 layers.4 layers.5 norm output"
+    ],
+    "pp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
+    "pp2_loopedbfs": PP + schedule("LoopedBFS"),
+    "pp2_interleavedzerobubble": PP + schedule("InterleavedZeroBubble"),
+    "pp2_zbvzerobubble": PP + schedule("ZBVZeroBubble"),
+    "pp2_dualpipev": PP + schedule("DualPipeV"),
+}
 CASES_4 = {
     "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
     "fsdp2_tp2": [TP, "2", "--model.flavor", "debugmodel_gqa"],
     "ddp2_tp2": [TP, "2", "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "pp4_1f1b": ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "4"],
+    "pp2_fsdp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
+    "pp2_tp2_1f1b": PP + [TP, "2"],
+}
+CASES_8 = {
+    "pp2_fsdp2_tp2_1f1b": PP + [TP, "2", "--model.flavor", "debugmodel_gqa"],
 }
 
 
 @pytest.mark.slow
 def test_parity_two_ranks(corpus_jsonl, tmp_path):
     check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_2))
+
+
+@pytest.mark.slow
+def test_pipeline_parity_two_ranks(corpus_jsonl, tmp_path):
+    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_PP2))
+
+
+@pytest.mark.slow
+def test_parity_eight_ranks(corpus_jsonl, tmp_path):
+    check(run_distributed(run_cases, 8, str(corpus_jsonl), str(tmp_path), CASES_8))
 
 
 @pytest.mark.slow

@@ -122,7 +122,19 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "replicas (DDP, or HSDP's outer dim)")
     data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 = the ranks left over")
     tensor_parallel_degree: int = opt(1, "tensor-parallel ranks (innermost mesh dim)")
-    pipeline_parallel_degree: int = opt(1, "pipeline stages ranks (outermost mesh dim)")
+    pipeline_parallel_degree: int = opt(1, "pipeline-parallel ranks (outermost mesh dim)")
+    pipeline_parallel_schedule: str = opt(
+        "1F1B",
+        "torch.distributed.pipelining schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+        "ZBVZeroBubble, DualPipeV (what the installed torch offers)",
+    )
+    pipeline_parallel_microbatch_size: int = opt(1, "sequences per pipeline microbatch (local_batch_size must divide by it)")
+    pipeline_parallel_layers_per_stage: int = opt(
+        -1, "layers per pipeline stage (embedding and output count as one each); -1 = 1 stage per rank, 2 for multi-stage schedules"
+    )
+    module_fqns_per_model_part: list[str] = opt(
+        [], "explicit stages: one string per stage of space-separated module names, e.g. 'tok_embeddings layers.0,layers.1 norm output'"
+    )
     context_parallel_degree: int = opt(1, "context-parallel ranks (sequence split)")
     fsdp_reshard_after_forward: str = opt(
         "default",
@@ -408,12 +420,16 @@ def validate(config: JobConfig) -> None:
     _require(ratio is None or 0.0 <= ratio <= 1.0, f"lr_scheduler.decay_ratio={ratio} must be between 0 and 1 (or none)")
     factor = config.lr_scheduler.min_lr_factor
     _require(0.0 <= factor <= 1.0, f"lr_scheduler.min_lr_factor={factor} must be between 0 and 1")
+    mb = p.pipeline_parallel_microbatch_size
+    _require(
+        mb >= 1 and t.local_batch_size % mb == 0,
+        f"parallelism.pipeline_parallel_microbatch_size={mb} must be >= 1 and divide training.local_batch_size={t.local_batch_size}",
+    )
     _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
     for part in config.compile.components:
         _require(part in ("model", "loss"), f"compile.components has '{part}'; allowed: model, loss")
     # Sections later work fills in: refuse them loudly rather than train without them.
     not_built = {
-        "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree != 1,
         "parallelism.context_parallel_degree": p.context_parallel_degree != 1,
         "float8.enable": config.float8.enable,
         "checkpoint.enable": config.checkpoint.enable,
@@ -461,6 +477,10 @@ def main(argv: list[str] | None = None) -> None:
         dims = ParallelDims.from_config(config, world_size)
         args = LLAMA3_FLAVORS[config.model.flavor]
         dims.check_model(args.n_heads, args.n_kv_heads)
+        if dims.pp_enabled:  # imports torch, so only when there is a pipeline to check
+            from titanlite.parallel.pipeline import plan_stages
+
+            plan_stages(config, args.n_layers, dims.pp, pp_rank=0)
     except ConfigError as e:
         print(f"titanlite: config error: {e}", file=sys.stderr)
         raise SystemExit(2)

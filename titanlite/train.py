@@ -30,6 +30,7 @@ from titanlite.models import build_model, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
+from titanlite.parallel.pipeline import build_schedule, pipeline_stages
 
 IGNORE_INDEX = -100
 
@@ -88,18 +89,30 @@ class Trainer:
                 f"model.tokenizer_path='{config.model.tokenizer_path}' has {self.tokenizer.vocab_size} tokens, more "
                 f"than model.flavor='{config.model.flavor}' embeds ({args.vocab_size}); use a smaller tokenizer"
             )
-        self.model = build_model(args)
-        self.num_params = self.model.num_params()
-        self.flops_per_token = self.model.flops_per_token(t.seq_len)
-        parallelize(self.model, self.dims, config, device.type)
+        whole = build_model(args)
+        self.num_params = whole.num_params()
+        self.flops_per_token = whole.flops_per_token(t.seq_len)
+        if self.dims.pp_enabled:
+            self.stage_ids, n_stages, self.model_parts = pipeline_stages(whole, self.dims, config)
+        else:
+            self.stage_ids, n_stages, self.model_parts = [0], 1, [whole]
+        self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        for part in self.model_parts:
+            parallelize(part, self.dims, config, device.type)
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
         if device.type == "meta":
             return  # dry run: nothing to materialize
-        self.model.to_empty(device=device)
-        self.model.init_weights(t.seed, assign=assign_full_value)
-        self.model.train()
+        for part in self.model_parts:
+            part.to_empty(device=device)
+            part.init_weights(t.seed, assign=assign_full_value)
+            part.train()
+        self.loss_scale = torch.ones((), device=device)  # the global token count of the current step
+        self.pp_schedule = None
+        if self.dims.pp_enabled:
+            self.pp_schedule = build_schedule(config, self.model_parts, self.stage_ids, n_stages, self.dims, device, self.loss_fn)
+        self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
 
-        self.optimizer = build_optimizer(self.model.parameters(), config)
+        self.optimizer = build_optimizer(self.parameters(), config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
 
         batch_mesh = self.dims.get_mesh("batch")
@@ -123,12 +136,31 @@ class Trainer:
             writes_files=dist.get_rank() == 0,
         )
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
-        """One microbatch; returns this rank's share of the global mean loss (already backpropagated)."""
-        with loss_parallel() if self.loss_parallel else nullcontext():
-            loss = local_value(cross_entropy_sum(self.model(inputs), labels)) / global_tokens
-            loss.backward()
-        return loss.detach()
+    def parameters(self):
+        return [p for part in self.model_parts for p in part.parameters()]
+
+    def train_context(self):
+        return loss_parallel() if self.loss_parallel else nullcontext()
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return local_value(cross_entropy_sum(logits, labels)) / self.loss_scale
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
+        """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last
+        stage), with gradients accumulated when `backward`."""
+        with self.train_context():
+            if self.pp_schedule is None:
+                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                if backward:
+                    loss.backward()
+                return loss.detach()
+            # Every pp rank loads the same batch: the first stage takes the inputs, the last the labels.
+            args = (inputs,) if self.has_first_stage else ()
+            losses = [] if self.has_last_stage else None
+            target = labels if self.has_last_stage else None
+            run = self.pp_schedule.step if backward else self.pp_schedule.eval
+            run(*args, target=target, losses=losses)
+            return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over the microbatches. Returns (global mean loss, grad norm)."""
@@ -142,13 +174,20 @@ class Trainer:
         # the gradient of the global mean, whatever the dp degree and accumulation steps.
         global_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         dist.all_reduce(global_tokens, group=self.batch_group)
-        loss = sum(self.forward_backward(x, y, global_tokens) for x, y in microbatches)
+        self.loss_scale = global_tokens
+        loss = sum(self.forward(x, y, backward=True) for x, y in microbatches)
+        return self.reduce_loss(loss).item()
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that hold parts of the loss: data/context ranks, and the last pp stage."""
         dist.all_reduce(loss, group=self.loss_group)
-        return loss.item()
+        if self.pp_group is not None:
+            dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank adds a nonzero
+        return loss
 
     def apply_gradients(self) -> float:
         """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm."""
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        grad_norm = clip_grad_norm_(self.parameters(), self.config.training.max_norm, self.pp_group)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -161,19 +200,22 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         v = self.config.validation
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
-        totals = torch.zeros(2, device=self.device)  # summed loss, valid tokens
+        self.loss_scale = torch.ones((), device=self.device)  # summed losses
+        loss_sum, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for _, (x, y) in zip(range(v.steps), loader):
             x, y = x.to(self.device), y.to(self.device)
-            with loss_parallel() if self.loss_parallel else nullcontext():
-                totals[0] += local_value(cross_entropy_sum(self.model(x), y)).float()
-            totals[1] += (y != IGNORE_INDEX).sum()
-        dist.all_reduce(totals, group=self.loss_group)
-        self.model.train()
-        if totals[1] == 0:
+            loss_sum += self.forward(x, y, backward=False).float()
+            tokens += (y != IGNORE_INDEX).sum()
+        loss_sum = self.reduce_loss(loss_sum)
+        dist.all_reduce(tokens, group=self.loss_group)
+        for part in self.model_parts:
+            part.train()
+        if tokens == 0:
             raise ConfigError("validation data yielded no full sequence; use a larger validation set or shorter seq_len")
-        return (totals[0] / totals[1]).item()
+        return (loss_sum / tokens).item()
 
     def train(self) -> None:
         t, m, v = self.config.training, self.config.metrics, self.config.validation
@@ -184,6 +226,11 @@ class Trainer:
             f"{self.accumulation_steps} microbatch(es)/step; MFU peak {self.metrics.peak / 1e12:.2f} TFLOP/s "
             f"({self.metrics.peak_source}); device {self.device}"
         )
+        if self.pp_schedule is not None:
+            log_line(
+                f"pipeline: {self.config.parallelism.pipeline_parallel_schedule}, this rank holds stages {self.stage_ids}; "
+                "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
+            )
         gc.disable()  # collect at fixed steps instead, so ranks don't stall at different times
         gc.collect()
         data_iter = iter(self.dataloader)
@@ -218,7 +265,7 @@ class Trainer:
 
     def describe_dry_run(self) -> None:
         """What each rank would hold, from the meta-device model: checks a big layout on a laptop."""
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.parameters())
         # fp32 params + grads + two Adam moments per local parameter.
         log_line(
             f"dry run OK: layout {self.dims.describe()}; model {self.num_params:,} params, "

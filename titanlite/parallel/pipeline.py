@@ -107,3 +107,42 @@ def split_model(model: nn.Module, names: list[str]) -> nn.Module:
         if name not in keep:
             setattr(stage, name, None)
     return stage
+
+
+def plan_stages(config: JobConfig, n_layers: int, pp: int, pp_rank: int) -> tuple[list[list[str]], list[int]]:
+    """(module names of every stage, the stage ids of pp rank `pp_rank`); raises ConfigError for a
+    schedule or split that cannot work. Needs no process group: run_train.sh checks it up front."""
+    name = config.parallelism.pipeline_parallel_schedule
+    multi = is_multi_stage(schedule_class(name))
+    names = stage_module_names(config, n_layers, pp, multi)
+    return names, stage_ids_of_rank(pp_rank, pp, len(names), name, multi)
+
+
+def pipeline_stages(model: nn.Module, dims, config: JobConfig) -> tuple[list[int], int, list[nn.Module]]:
+    """(stage ids of this rank, number of stages, their modules) for the whole meta-device model."""
+    names, ids = plan_stages(config, len(model.layers), dims.pp, dims.get_mesh("pp").get_local_rank())
+    return ids, len(names), [split_model(model, names[i]) for i in ids]
+
+
+def build_schedule(config: JobConfig, parts: list[nn.Module], stage_ids: list[int], n_stages: int, dims, device, loss_fn):
+    """Wrap each part in a PipelineStage and build the schedule (gradients not scaled: the loss is
+    already divided by the global token count)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    p = config.parallelism
+    cls = schedule_class(p.pipeline_parallel_schedule)
+    group = dims.get_mesh("pp").get_group()
+    stages = [PipelineStage(part, i, n_stages, device, group=group) for part, i in zip(parts, stage_ids)]
+    n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    try:
+        return cls(
+            stages if is_multi_stage(cls) else stages[0],
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,
+        )
+    except (ValueError, AssertionError, NotImplementedError) as e:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule='{p.pipeline_parallel_schedule}' cannot run {n_stages} stages "
+            f"on pp={dims.pp} with {n_microbatches} microbatches: {e}"
+        )
