@@ -151,6 +151,25 @@ CASES_PP2 = {
     "pp2_zbvzerobubble": PP + schedule("ZBVZeroBubble"),
     "pp2_dualpipev": PP + schedule("DualPipeV"),
 }
+CP = "--parallelism.context_parallel_degree"
+# Context parallel: both rotate methods, with and without load balancing, and composed.
+CASES_CP2 = {
+    "cp2_allgather_headtail": [CP, "2"],
+    "cp2_alltoall_headtail": [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "cp2_allgather_no_balance": [CP, "2", "--parallelism.context_parallel_load_balancer", "none"],
+    "cp2_alltoall_no_balance": [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall",
+                                "--parallelism.context_parallel_load_balancer", "none"],
+}
+CASES_CP4 = {
+    "cp4_allgather_headtail": [CP, "4"],
+    "cp4_alltoall_headtail": [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "cp4_allgather_no_balance": [CP, "4", "--parallelism.context_parallel_load_balancer", "none"],
+    "cp4_alltoall_no_balance": [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall",
+                                "--parallelism.context_parallel_load_balancer", "none"],
+    "cp2_fsdp2": [CP, "2", "--model.flavor", "debugmodel_gqa"],
+    "cp2_tp2": [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "cp2_pp2": [CP, "2"] + PP,
+}
 CASES_4 = {
     "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
     "fsdp2_tp2": [TP, "2", "--model.flavor", "debugmodel_gqa"],
@@ -172,6 +191,16 @@ def test_parity_two_ranks(corpus_jsonl, tmp_path):
 @pytest.mark.slow
 def test_pipeline_parity_two_ranks(corpus_jsonl, tmp_path):
     check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_PP2))
+
+
+@pytest.mark.slow
+def test_context_parity_two_ranks(corpus_jsonl, tmp_path):
+    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_CP2))
+
+
+@pytest.mark.slow
+def test_context_parity_four_ranks(corpus_jsonl, tmp_path):
+    check(run_distributed(run_cases, 4, str(corpus_jsonl), str(tmp_path), CASES_CP4))
 
 
 @pytest.mark.slow

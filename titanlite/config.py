@@ -135,7 +135,15 @@ class Parallelism:
     module_fqns_per_model_part: list[str] = opt(
         [], "explicit stages: one string per stage of space-separated module names, e.g. 'tok_embeddings layers.0,layers.1 norm output'"
     )
-    context_parallel_degree: int = opt(1, "context-parallel ranks (sequence split)")
+    context_parallel_degree: int = opt(1, "context-parallel ranks (the sequence split over ranks; ring attention)")
+    context_parallel_rotate_method: str = opt(
+        "allgather", "how KV shards move around the cp ring", choices=("allgather", "alltoall")
+    )
+    context_parallel_load_balancer: str = opt(
+        "headtail",
+        "headtail: rank r holds sequence chunks r and 2cp-1-r, so causal attention work is even; none: contiguous chunks",
+        choices=("headtail", "none"),
+    )
     fsdp_reshard_after_forward: str = opt(
         "default",
         "free gathered params after forward: default (yes unless PP), always, never",
@@ -430,7 +438,6 @@ def validate(config: JobConfig) -> None:
         _require(part in ("model", "loss"), f"compile.components has '{part}'; allowed: model, loss")
     # Sections later work fills in: refuse them loudly rather than train without them.
     not_built = {
-        "parallelism.context_parallel_degree": p.context_parallel_degree != 1,
         "float8.enable": config.float8.enable,
         "checkpoint.enable": config.checkpoint.enable,
         "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",

@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import torch
@@ -28,6 +28,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import build_model, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
 from titanlite.parallel.pipeline import build_schedule, pipeline_stages
@@ -100,6 +101,8 @@ class Trainer:
         for part in self.model_parts:
             parallelize(part, self.dims, config, device.type)
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
+        if self.dims.cp_enabled and device.type == "cpu":
+            register_cpu_ring_attention()
         if device.type == "meta":
             return  # dry run: nothing to materialize
         for part in self.model_parts:
@@ -139,8 +142,24 @@ class Trainer:
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
 
-    def train_context(self):
-        return loss_parallel() if self.loss_parallel else nullcontext()
+    @contextmanager
+    def step_context(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """Loss parallel under TP; under CP, yields this rank's sequence shards of inputs and labels."""
+        with ExitStack() as stack:
+            if self.loss_parallel:
+                stack.enter_context(loss_parallel())
+            if self.dims.cp_enabled:
+                p = self.config.parallelism
+                inputs, labels = stack.enter_context(
+                    sequence_parallel_step(
+                        self.dims.get_mesh("cp"),
+                        [inputs, labels],
+                        self.model_parts,
+                        load_balance=p.context_parallel_load_balancer == "headtail",
+                        rotate_method=p.context_parallel_rotate_method,
+                    )
+                )
+            yield inputs, labels
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return local_value(cross_entropy_sum(logits, labels)) / self.loss_scale
@@ -148,7 +167,7 @@ class Trainer:
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
         """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last
         stage), with gradients accumulated when `backward`."""
-        with self.train_context():
+        with self.step_context(inputs, labels) as (inputs, labels):
             if self.pp_schedule is None:
                 loss = self.loss_fn(self.model_parts[0](inputs), labels)
                 if backward:
@@ -210,7 +229,7 @@ class Trainer:
             loss_sum += self.forward(x, y, backward=False).float()
             tokens += (y != IGNORE_INDEX).sum()
         loss_sum = self.reduce_loss(loss_sum)
-        dist.all_reduce(tokens, group=self.loss_group)
+        dist.all_reduce(tokens, group=self.batch_group)  # counted before any sequence split
         for part in self.model_parts:
             part.train()
         if tokens == 0:

@@ -1,0 +1,109 @@
+"""Context parallel: the sequence split over the cp mesh dim, with exact causal ring attention.
+
+Each step runs inside torch's `context_parallel()`: it shards the inputs, the labels and every
+stage's RoPE table along the sequence (head-tail load balancing: with cp ranks the sequence is cut
+into 2*cp chunks and rank r holds chunks r and 2cp-1-r, so the causal work is even), and routes
+SDPA to a ring over the cp group whose KV shards rotate by all-gather or all-to-all.
+
+torch (2.11 to 2.13) registers ring handlers only for the CUDA SDPA kernels. On CPU,
+`register_cpu_ring_attention` sends the CPU flash-attention kernel (forward and backward) through
+the same ring (torch's `_templated_ring_attention`), so CPU runs compute the same exact attention.
+These are private torch APIs (looked up where 2.11-2.13 keep them); the parity tests pin their
+behaviour for the installed torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental import context_parallel
+
+def _cp_implementation_module():
+    """torch's CP implementation: moved from experimental._attention to experimental._context_parallel."""
+    for name in ("torch.distributed.tensor.experimental._context_parallel._attention", "torch.distributed.tensor.experimental._attention"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "custom_ops") and hasattr(module, "_templated_ring_attention"):
+            return module
+    raise ImportError("this torch has no ring-attention implementation for context parallel")
+
+
+_ring = _cp_implementation_module()
+SEQ_DIM = 2  # of q, k, v laid out (batch, heads, seq, head_dim)
+
+
+def _arg(args, kwargs, index: int, name: str, default):
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def _cpu_ring_forward(op, args, kwargs):
+    # aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p=0., is_causal=False, *, attn_mask, scale)
+    mesh = args[0].device_mesh
+    q, k, v = (t.to_local() for t in args[:3])
+    out, lse = _ring._templated_ring_attention(
+        mesh.get_group(),
+        SEQ_DIM,
+        op,
+        query=q,
+        key=k,
+        value=v,
+        is_causal=_arg(args, kwargs, 4, "is_causal", False),
+        dropout_p=_arg(args, kwargs, 3, "dropout_p", 0.0),
+        scale=kwargs.get("scale"),
+    )[:2]
+    return tuple(DTensor.from_local(t, mesh, [Shard(SEQ_DIM)], run_check=False) for t in (out, lse))
+
+
+def _cpu_ring_backward(op, args, kwargs):
+    # ..._for_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)
+    mesh = args[1].device_mesh
+    grad_out, q, k, v, out, lse = (t.to_local() for t in args[:6])
+    grads = _ring._templated_ring_attention_backward(
+        mesh.get_group(),
+        SEQ_DIM,
+        op,
+        grad_out=grad_out,
+        grad_out_name="grad_out",
+        query=q,
+        key=k,
+        value=v,
+        out=out,
+        logsumexp=lse,
+        is_causal=_arg(args, kwargs, 7, "is_causal", False),
+        dropout_p=_arg(args, kwargs, 6, "dropout_p", 0.0),
+        scale=kwargs.get("scale"),
+    )
+    return tuple(DTensor.from_local(t, mesh, [Shard(SEQ_DIM)], run_check=False) for t in grads[:3])
+
+
+def register_cpu_ring_attention() -> None:
+    """Let CPU SDPA take part in ring attention (copied into DTensor's handlers on each CP entry)."""
+    aten = torch.ops.aten
+    _ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _cpu_ring_forward
+    _ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _cpu_ring_backward
+
+
+@contextmanager
+def sequence_parallel_step(
+    cp_mesh: DeviceMesh, tensors: list[torch.Tensor], model_parts: list[nn.Module], load_balance: bool, rotate_method: str
+):
+    """Yields this rank's sequence shards of `tensors` (seq dim 1); inside, the models' RoPE tables
+    are sharded the same way and attention runs as a ring over `cp_mesh`."""
+    shards = [t.clone() for t in tensors]  # context_parallel resizes its buffers in place
+    ropes = [part.rope for part in model_parts]
+    _ring._cp_options.enable_load_balance = load_balance
+    _ring.set_rotate_method(rotate_method)
+    with context_parallel(
+        cp_mesh,
+        buffers=shards + ropes,
+        buffer_seq_dims=[1] * len(shards) + [0] * len(ropes),
+        no_restore_buffers=set(shards),
+    ):
+        yield shards
