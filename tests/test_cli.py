@@ -55,6 +55,8 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
         (8, ["--parallelism.tensor_parallel_degree", "8", "--model.flavor", "debugmodel_gqa"], "does not divide the model's n_kv_heads=4"),
         (2, ["--training.seq_len", "255", "--parallelism.tensor_parallel_degree", "2"], "seq_len=255 must be divisible by 2"),
         (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Nope"], "choose one of: GPipe, 1F1B"),
+        (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "12"],
+         "seq_len=12 must be divisible by 8 (tp=2 x 2 x cp=2)"),
         (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
              "--parallelism.pipeline_parallel_layers_per_stage", "2"], "runs one stage per rank, but the split gives 2"),
         (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",

@@ -118,3 +118,13 @@ def test_gqa_shares_kv_heads():
     model = Transformer(args)
     assert model.layers["0"].attention.wk.weight.shape == (args.n_kv_heads * args.head_dim, args.dim)
     assert args.n_heads // args.n_kv_heads == 4
+
+
+def test_context_parallel_finds_torchs_ring_attention():
+    """The CPU ring-attention route relies on private torch APIs; fail loudly if a torch moves them."""
+    from titanlite.parallel import context
+
+    ring = context._ring
+    for name in ("custom_ops", "_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "set_rotate_method"):
+        assert hasattr(ring, name), name
+    assert hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
