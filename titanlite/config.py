@@ -155,9 +155,25 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable: bool = opt(False, "save distributed checkpoints")
-    folder: str = opt("checkpoint", "checkpoint folder, inside dump_folder")
-    interval: int = opt(500, "save every N steps")
+    enable: bool = opt(False, "save distributed checkpoints and resume from the latest complete one")
+    folder: str = opt("checkpoint", "checkpoint folder, inside dump_folder (step-N subfolders)")
+    interval: int = opt(500, "save every N steps (and at the last step)")
+    keep_latest_k: int = opt(10, "keep the newest k complete checkpoints; 0 = keep all")
+    async_mode: str = opt(
+        "disabled",
+        "disabled; async (write in the background while training goes on); async_with_pinned_mem (async, staging "
+        "through pinned memory on CUDA)",
+        choices=("disabled", "async", "async_with_pinned_mem"),
+    )
+    load_step: int = opt(-1, "resume from this step's checkpoint; -1 = the latest complete one")
+    initial_load_path: str = opt("", "a checkpoint (step folder) to start from when the run has none of its own")
+    initial_load_model_only: bool = opt(True, "from initial_load_path, load only the model weights")
+    last_save_model_only: bool = opt(False, "make the final checkpoint model-only (in export_dtype), for export")
+    export_dtype: str = opt("float32", "dtype of model-only checkpoints", choices=("float32", "bfloat16", "float16"))
+    exclude_from_loading: list[str] = opt([], "parts not to load: model, optimizer, train, dataloader")
+    create_seed_checkpoint: bool = opt(
+        False, "on 1 process: write the initial weights to <folder>/step-0 for every layout to load, then exit"
+    )
 
 
 @dataclass
@@ -439,13 +455,18 @@ def validate(config: JobConfig) -> None:
     # Sections later work fills in: refuse them loudly rather than train without them.
     not_built = {
         "float8.enable": config.float8.enable,
-        "checkpoint.enable": config.checkpoint.enable,
         "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",
         "compile.enable": config.compile.enable,
         "profiling.enable_profiling": config.profiling.enable_profiling,
     }
     for key, requested in not_built.items():
         _require(not requested, f"{key} is not available in this version of titanlite yet; leave it at its default")
+    for part in config.checkpoint.exclude_from_loading:
+        _require(
+            part in ("model", "optimizer", "train", "dataloader"),
+            f"checkpoint.exclude_from_loading has '{part}'; allowed: model, optimizer, train, dataloader",
+        )
+    _require(config.checkpoint.keep_latest_k >= 0, f"checkpoint.keep_latest_k={config.checkpoint.keep_latest_k} must be >= 0")
     sac = config.activation_checkpoint.selective_ac_option
     _require(
         sac == "op" or (sac.isdigit() and int(sac) >= 1),

@@ -75,18 +75,23 @@ class MetricsLogger:
         self.device, self.flops_per_token, self.tokens_divisor = device, flops_per_token, tokens_divisor
         self.peak, self.peak_source = peak_flops(device, m.peak_flops)
         self.folder = Path(config.job.dump_folder)
-        self.writes_files = writes_files
+        self.writes_files, self.tensorboard = writes_files, m.enable_tensorboard
+        self.tb_folder = self.folder / m.save_tb_folder / time.strftime("%Y%m%d-%H%M%S")
         self.jsonl = None
         self.tb = None
-        if writes_files:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(self.folder / "metrics.jsonl", "a")
-            if m.enable_tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.folder / m.save_tb_folder / time.strftime("%Y%m%d-%H%M%S")))
         self.start = time.perf_counter()
         self.reset()
+
+    def open(self, append: bool) -> None:
+        """Start the files: a resumed run appends to metrics.jsonl, a fresh one starts it anew."""
+        if not self.writes_files:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.folder / "metrics.jsonl", "a" if append else "w")
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.tb_folder))
 
     def reset(self) -> None:
         self.window_start = time.perf_counter()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titanlite.checkpoint import Checkpointer
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
@@ -115,8 +116,10 @@ class Trainer:
             self.pp_schedule = build_schedule(config, self.model_parts, self.stage_ids, n_stages, self.dims, device, self.loss_fn)
         self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
 
-        self.optimizer = build_optimizer(self.parameters(), config)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
+        # One optimizer and lr schedule per model part (pipeline stage): checkpoints key the optimizer
+        # state by parameter name through the module that owns the parameters.
+        self.optimizers = [build_optimizer(part.parameters(), config) for part in self.model_parts]
+        self.lr_schedulers = [build_lr_scheduler(opt, config) for opt in self.optimizers]
 
         batch_mesh = self.dims.get_mesh("batch")
         self.dp_rank, self.dp_degree = batch_mesh.get_local_rank(), batch_mesh.size()
@@ -138,6 +141,7 @@ class Trainer:
             tokens_divisor=self.dims.non_data_parallel_size,
             writes_files=dist.get_rank() == 0,
         )
+        self.checkpointer = Checkpointer(config, self)
 
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
@@ -207,9 +211,10 @@ class Trainer:
     def apply_gradients(self) -> float:
         """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm."""
         grad_norm = clip_grad_norm_(self.parameters(), self.config.training.max_norm, self.pp_group)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
+            opt.step()
+            scheduler.step()
+            opt.zero_grad(set_to_none=True)
         return grad_norm.item()
 
     def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -250,6 +255,8 @@ class Trainer:
                 f"pipeline: {self.config.parallelism.pipeline_parallel_schedule}, this rank holds stages {self.stage_ids}; "
                 "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
             )
+        resumed = self.checkpointer.load()
+        self.metrics.open(append=resumed)
         gc.disable()  # collect at fixed steps instead, so ranks don't stall at different times
         gc.collect()
         data_iter = iter(self.dataloader)
@@ -270,17 +277,27 @@ class Trainer:
             self.tokens_seen += tokens_per_step * self.dp_degree
             self.metrics.record_step(tokens_per_step, data_seconds)
             if self.step == 1 or self.step % m.log_freq == 0 or self.step == t.steps:
-                lr = self.lr_scheduler.get_last_lr()[0]
+                lr = self.lr_schedulers[0].get_last_lr()[0]
                 self.metrics.log(self.step, loss, grad_norm, lr, self.tokens_seen)
             if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
                 self.metrics.log_validation(self.step, self.validate())
                 self.metrics.reset()  # keep evaluation time out of the next throughput window
+            self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
+        self.checkpointer.wait()
         elapsed = time.perf_counter() - self.metrics.start
         log_line(
             f"done: {self.step} steps, final loss {loss:.4f}, {self.tokens_seen:,} tokens in {elapsed:.1f}s "
             f"({self.tokens_seen / elapsed / self.dims.world_size:,.0f} tokens/s per device), metrics in {self.metrics.folder / 'metrics.jsonl'}"
         )
         self.metrics.close()
+
+    def create_seed_checkpoint(self) -> None:
+        """The initial weights as step-0, written by one process so any layout can load the same start."""
+        if self.dims.world_size != 1:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint=true runs on 1 process, not {self.dims.world_size}; use NGPU=1"
+            )
+        self.checkpointer.save(0, model_only=True, dtype=torch.float32)
 
     def describe_dry_run(self) -> None:
         """What each rank would hold, from the meta-device model: checks a big layout on a laptop."""
@@ -304,7 +321,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if dist.get_rank() == 0:
                 config.save(trainer.metrics.folder / "config.toml")
-            trainer.train()
+            if config.checkpoint.create_seed_checkpoint:
+                trainer.create_seed_checkpoint()
+            else:
+                trainer.train()
         dist.barrier()
     except ConfigError as e:
         print(f"titanlite: config error: {e}", file=sys.stderr)

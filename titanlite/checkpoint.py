@@ -1,0 +1,274 @@
+"""Distributed checkpoints (torch.distributed.checkpoint): exact resume, async save, resharding.
+
+A checkpoint is the folder `<dump_folder>/<checkpoint.folder>/step-N` holding, keyed by parameter
+name (so any layout can load it):
+  model.*        the model's parameters (merged over pipeline stages)
+  optimizer.*    AdamW state, flattened per parameter name
+  train.*        step, tokens seen, lr-schedule position, RNG states
+  dataloader.dp<r>.state   each data-parallel rank's loader state, as JSON in a uint8 tensor
+Only tensors are stored, and loading refuses anything else: DCP would unpickle non-tensor items.
+
+Atomic: ranks write into `step-N.tmp`; rank 0 renames it to `step-N` once the whole save is done,
+so a crash mid-save leaves the previous checkpoint as the latest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titanlite.config import ConfigError, JobConfig
+from titanlite.metrics import log_line
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+PARTS = ("model", "optimizer", "train", "dataloader")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def json_tensor(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+
+
+def tensor_json(t: torch.Tensor):
+    return json.loads(bytes(t.tolist()).decode())
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint (renamed from .tmp and holding DCP's metadata), oldest first."""
+    if not folder.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").exists()]
+    return sorted(steps)
+
+
+def model_state(parts, export_dtype: torch.dtype | None = None) -> dict:
+    sd = {}
+    for part in parts:
+        sd.update(get_model_state_dict(part))
+    if export_dtype is not None:
+        sd = {k: v.to(export_dtype) for k, v in sd.items()}
+    return sd
+
+
+def optimizer_state(parts, optimizers) -> dict:
+    """Flattened per parameter name: 'state.<fqn>.exp_avg' tensors and 'param_groups.<fqn>.lr' values."""
+    sd = {}
+    for part, opt in zip(parts, optimizers):
+        sd.update(get_optimizer_state_dict(part, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)))
+    return sd
+
+
+def tensors_only(optimizer_sd: dict) -> dict:
+    """The saved part of optimizer state: its tensors. Hyperparameters come from the config and the lr
+    from the schedule, so nothing needs pickling (DCP pickles non-tensor values)."""
+    return {k: v for k, v in optimizer_sd.items() if k.startswith("state.")}
+
+
+class Checkpointer:
+    def __init__(self, config: JobConfig, trainer):
+        self.c, self.trainer = config.checkpoint, trainer
+        self.folder = Path(config.job.dump_folder) / self.c.folder
+        self.is_coordinator = dist.get_rank() == 0
+        self.pending = None  # (future, tmp folder, final folder) of an async save in flight
+        # Async saves get their own gloo group: sharing the training group corrupts its collectives.
+        self.async_group = dist.new_group(backend="gloo") if self.c.enable and self.c.async_mode != "disabled" else None
+
+    # ---- what is saved ----
+
+    def state(self, model_only: bool = False, dtype: torch.dtype | None = None) -> dict:
+        t = self.trainer
+        if model_only:
+            dtype = dtype or DTYPES[self.c.export_dtype]
+            return {"model": model_state(t.model_parts, dtype if dtype != torch.float32 else None)}
+        train = {
+            "step": torch.tensor(t.step),
+            "tokens_seen": torch.tensor(t.tokens_seen),
+            "lr_schedule_step": torch.tensor(t.lr_schedulers[0].last_epoch),
+            "rng_cpu": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            train["rng_cuda"] = torch.cuda.get_rng_state()
+        loader = {"dp_degree": t.dp_degree, "state": t.dataloader.state_dict()}
+        return {
+            "model": model_state(t.model_parts),
+            "optimizer": tensors_only(optimizer_state(t.model_parts, t.optimizers)),
+            "train": train,
+            "dataloader": {f"dp{t.dp_rank}": json_tensor(loader)},
+        }
+
+    # ---- save ----
+
+    def maybe_save(self, step: int, last: bool) -> None:
+        self.finalize_if_done()
+        if not self.c.enable or not (step % self.c.interval == 0 or last):
+            return
+        model_only = last and self.c.last_save_model_only
+        self.save(step, model_only=model_only, asynchronous=self.c.async_mode != "disabled" and not last)
+
+    def save(self, step: int, model_only: bool = False, asynchronous: bool = False, dtype: torch.dtype | None = None) -> None:
+        self.wait()  # one save in flight at a time
+        final = self.folder / f"step-{step}"
+        tmp = self.folder / f"step-{step}.tmp"
+        if self.is_coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        dist.barrier()
+        start = time.perf_counter()
+        state = self.state(model_only, dtype)
+        if asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group, **self.stager())
+            self.pending = (future, tmp, final)
+            log_line(f"checkpoint step {step}: async save started ({time.perf_counter() - start:.2f}s blocking)")
+            return
+        dcp.save(state, checkpoint_id=str(tmp))
+        dist.barrier()
+        self.commit(tmp, final)
+        log_line(f"checkpoint step {step}{' (model only)' if model_only else ''} saved to {final} in {time.perf_counter() - start:.2f}s")
+
+    def stager(self) -> dict:
+        """async_with_pinned_mem: copy GPU tensors to a reused pinned host buffer (faster device->host)."""
+        if self.c.async_mode != "async_with_pinned_mem" or not torch.cuda.is_available():
+            return {}  # on CPU tensors already live in host memory: torch's default staging copy
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        options = StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False)
+        return {"async_stager": DefaultStager(options)}
+
+    def commit(self, tmp: Path, final: Path) -> None:
+        """Make a fully written checkpoint visible (atomic rename), then drop the oldest ones."""
+        if not self.is_coordinator:
+            return
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        if self.c.keep_latest_k > 0:
+            for step in complete_steps(self.folder)[: -self.c.keep_latest_k]:
+                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+
+    def finalize_if_done(self) -> None:
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        future, tmp, final = self.pending
+        future.result()  # the coordinator's future completes once every rank's data and the metadata are written
+        self.pending = None
+        self.commit(tmp, final)
+        log_line(f"checkpoint {final.name}: async save complete")
+
+    # ---- load ----
+
+    def load(self) -> bool:
+        """Resume from the latest complete checkpoint (or `load_step`), else from `initial_load_path`."""
+        c = self.c
+        steps = complete_steps(self.folder) if c.enable else []
+        if c.load_step >= 0:
+            if c.load_step not in steps:
+                raise ConfigError(f"checkpoint.load_step={c.load_step} has no complete checkpoint in {self.folder}; found {steps}")
+            path, parts = self.folder / f"step-{c.load_step}", set(PARTS)
+        elif steps:
+            path, parts = self.folder / f"step-{steps[-1]}", set(PARTS)
+        elif c.initial_load_path:
+            path = Path(c.initial_load_path)
+            parts = {"model"} if c.initial_load_model_only else set(PARTS)
+        else:
+            return False
+        self.load_from(path, parts - set(c.exclude_from_loading))
+        return True
+
+    def load_from(self, path: Path, parts: set[str]) -> None:
+        t = self.trainer
+        reader = dcp.FileSystemReader(str(path))
+        try:
+            metadata = reader.read_metadata().state_dict_metadata
+        except FileNotFoundError:
+            raise ConfigError(f"checkpoint path '{path}' holds no complete DCP checkpoint (no .metadata)")
+        saved = {key.split(".", 1)[0] for key in metadata}
+        parts &= saved  # a model-only checkpoint resumes the weights only
+        state = {}
+        if "model" in parts:
+            state["model"] = model_state(t.model_parts)
+        if "optimizer" in parts:
+            full_optimizer = optimizer_state(t.model_parts, t.optimizers)
+            state["optimizer"] = tensors_only(full_optimizer)  # loaded in place into full_optimizer's tensors
+        if "train" in parts:
+            state["train"] = {
+                key.split(".", 1)[1]: torch.zeros(m.size, dtype=m.properties.dtype)
+                for key, m in metadata.items()
+                if key.startswith("train.") and isinstance(m, TensorStorageMetadata)
+            }
+        if "dataloader" in parts:
+            state["dataloader"] = {
+                key.split(".", 1)[1]: torch.zeros(m.size, dtype=torch.uint8)
+                for key, m in metadata.items()
+                if key.startswith("dataloader.")
+            }
+        for key in _flatten_keys(state):
+            if not isinstance(metadata.get(key), TensorStorageMetadata):
+                raise ConfigError(f"checkpoint '{path}' entry '{key}' is missing or not a tensor; refusing to load it")
+        dcp.load(state, checkpoint_id=str(path))
+
+        if "model" in state:
+            for part in t.model_parts:
+                set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        if "optimizer" in state:
+            for part, opt in zip(t.model_parts, t.optimizers):
+                set_optimizer_state_dict(
+                    part, opt, full_optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+                )
+        if "train" in state:
+            s = state["train"]
+            t.step, t.tokens_seen = int(s["step"]), int(s["tokens_seen"])
+            for scheduler in t.lr_schedulers:
+                scheduler.last_epoch = int(s["lr_schedule_step"])
+                for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):
+                    group["lr"] = lr
+            torch.set_rng_state(s["rng_cpu"])
+            if "rng_cuda" in s and torch.cuda.is_available():
+                torch.cuda.set_rng_state(s["rng_cuda"])
+        if "dataloader" in state:
+            self.load_dataloader(state["dataloader"])
+        log_line(f"loaded checkpoint {path} ({', '.join(sorted(parts))}) at step {t.step}")
+
+    def load_dataloader(self, saved: dict) -> None:
+        t = self.trainer
+        states = {int(k[2:]): tensor_json(v) for k, v in saved.items()}
+        old_degree = next(iter(states.values()))["dp_degree"]
+        if old_degree == t.dp_degree:
+            t.dataloader.load_state_dict(states[t.dp_rank]["state"])
+        elif t.config.training.data_split == "sequences":
+            # Every rank read the whole stream; the last rank's position is past every consumed window.
+            t.dataloader.load_state_dict(states[old_degree - 1]["state"])
+            log_line(f"data position re-split from {old_degree} to {t.dp_degree} data-parallel ranks")
+        else:
+            log_line(
+                f"data position NOT restored: saved with {old_degree} data-parallel ranks, now {t.dp_degree}, and "
+                "training.data_split='documents' gives each rank its own documents; the data starts from the "
+                "beginning (model, optimizer, step and lr schedule are restored). Use data_split='sequences' to keep it"
+            )
+
+
+def _flatten_keys(state: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in state.items():
+        if isinstance(v, dict):
+            keys += _flatten_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
