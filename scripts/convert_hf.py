@@ -1,0 +1,68 @@
+"""Convert checkpoints between titanlite (DCP) and Hugging Face Llama (safetensors + config.json).
+
+    python scripts/convert_hf.py to-hf outputs/run/checkpoint/step-1000 hf_out --flavor 8B [--dtype bfloat16]
+    python scripts/convert_hf.py from-hf path/to/Llama-3.1-8B outputs/run/checkpoint/step-0
+
+to-hf writes model.safetensors and config.json that transformers' LlamaForCausalLM loads (copy the
+tokenizer files next to them yourself). from-hf writes a DCP checkpoint to start a run from:
+`--checkpoint.initial_load_path outputs/run/checkpoint/step-0`. One process, CPU, weights only.
+"""
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titanlite.hf import load_hf, save_hf
+from titanlite.models.args import LLAMA3_FLAVORS
+
+
+def read_model(checkpoint: Path) -> dict:
+    """The model weights of a DCP checkpoint as full tensors (any layout saved them)."""
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state = {
+        key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in metadata.items()
+        if key.startswith("model.")
+    }
+    dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    return state
+
+
+def to_hf(args) -> None:
+    state = read_model(args.checkpoint)
+    vocab, dim = state["tok_embeddings.weight"].shape
+    n_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+    model_args = replace(LLAMA3_FLAVORS[args.flavor], vocab_size=vocab, max_seq_len=args.max_seq_len)
+    if (model_args.dim, model_args.n_layers) != (dim, n_layers):
+        raise SystemExit(f"--flavor {args.flavor} has dim {model_args.dim} x {model_args.n_layers} layers; the checkpoint has {dim} x {n_layers}")
+    save_hf(state, model_args, args.out, getattr(torch, args.dtype))
+    print(f"wrote {args.out}/model.safetensors and config.json ({sum(v.numel() for v in state.values()):,} params)")
+
+
+def from_hf(args) -> None:
+    state, _ = load_hf(args.hf_folder)
+    dcp.save({"model": {k: v.float() for k, v in state.items()}}, checkpoint_id=str(args.out), no_dist=True)
+    print(f"wrote DCP checkpoint {args.out} ({len(state)} tensors); start a run with --checkpoint.initial_load_path {args.out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    out = sub.add_parser("to-hf", help="DCP checkpoint -> Hugging Face folder")
+    out.add_argument("checkpoint", type=Path)
+    out.add_argument("out", type=Path)
+    out.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA3_FLAVORS))
+    out.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    out.add_argument("--max-seq-len", type=int, default=8192)
+    back = sub.add_parser("from-hf", help="Hugging Face folder -> DCP checkpoint")
+    back.add_argument("hf_folder", type=Path)
+    back.add_argument("out", type=Path)
+    args = parser.parse_args()
+    to_hf(args) if args.command == "to-hf" else from_hf(args)
+
+
+if __name__ == "__main__":
+    main()

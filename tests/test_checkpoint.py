@@ -1,0 +1,145 @@
+"""Checkpoints through the real CLI: exact resume (stop, kill -9), crash during save, resharding across
+layouts (data position included), async save, seed checkpoint, Hugging Face export and import."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, run_command, tiny_args
+
+pytestmark = pytest.mark.slow
+
+# A constant lr after warmup (decay_ratio 0): a 10-step run stops on the same schedule as a 20-step one.
+COMMON = ["--checkpoint.enable", "--lr_scheduler.decay_ratio", "0", "--training.data_split", "sequences", "--metrics.log_freq", "1"]
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
+    out = run_command(cmd, timeout=timeout, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def losses(folder) -> dict[int, float]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path):
+    args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps), "--checkpoint.interval", "10")
+    torchrun(1, args(tmp_path / "straight", 20))
+    torchrun(1, args(tmp_path / "resumed", 10))
+    out = torchrun(1, args(tmp_path / "resumed", 20))
+    assert "loaded checkpoint" in out.stdout and "step-10" in out.stdout
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(1, 21))  # the resumed run appended steps 11-20
+    assert [resumed[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]  # bitwise
+
+
+def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
+    layout = ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "debugmodel_gqa"]
+    args = lambda folder: tiny_args(corpus_jsonl, folder, *COMMON, *layout, "--training.steps", "20", "--checkpoint.interval", "10")
+    torchrun(4, args(tmp_path / "straight"))
+
+    folder = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "titanlite.train", *args(folder)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (folder / "checkpoint" / "step-10" / ".metadata").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job, mid-training after its checkpoint
+    proc.wait()
+    assert (folder / "checkpoint" / "step-10").exists() and not (folder / "checkpoint" / "step-20").exists()
+
+    torchrun(4, args(folder))
+    straight, resumed = losses(tmp_path / "straight"), losses(folder)
+    assert [resumed[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]
+
+
+def test_crash_during_save_keeps_the_last_good_checkpoint(corpus_jsonl, tmp_path):
+    args = tiny_args(corpus_jsonl, tmp_path, *COMMON, "--training.steps", "4", "--checkpoint.interval", "2")
+    torchrun(1, args)
+    ckpt = tmp_path / "checkpoint"
+    (ckpt / "step-6.tmp").mkdir()  # a save that died before its rename
+    (ckpt / "step-6.tmp" / "__0_0.distcp").write_bytes(b"half written")
+    (ckpt / "step-8").mkdir()  # a folder without DCP metadata never counts
+    out = torchrun(1, tiny_args(corpus_jsonl, tmp_path, *COMMON, "--training.steps", "5", "--checkpoint.interval", "2"))
+    assert "loaded checkpoint" in out.stdout and "step-4 " in out.stdout
+    assert not (ckpt / "step-6.tmp").exists() or (ckpt / "step-5").exists()
+
+
+def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):
+    """Save on FSDP 2; load on TP 2, 1 process and PP 2: the next step's loss matches FSDP 2's own."""
+    source = tmp_path / "fsdp2"
+    torchrun(2, tiny_args(corpus_jsonl, source, *COMMON, "--training.steps", "4", "--checkpoint.interval", "3"))
+    expected = losses(source)[4]
+    start = ["--checkpoint.initial_load_path", str(source / "checkpoint" / "step-3"), "--checkpoint.initial_load_model_only", "false",
+             "--training.steps", "4"]
+    for name, nproc, layout in [
+        ("tp2", 2, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+        ("single", 1, ["--training.local_batch_size", "4"]),
+        ("pp2", 2, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]),
+    ]:
+        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *COMMON, *start, *layout))
+        assert "re-split from 2 to 1" in out.stdout, name
+        assert list(losses(tmp_path / name)) == [4], name
+        assert abs(losses(tmp_path / name)[4] - expected) < 1e-5, (name, losses(tmp_path / name), expected)
+
+
+def test_async_save_resumes_exactly(corpus_jsonl, tmp_path):
+    args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps), "--checkpoint.interval", "3",
+                                            "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2")
+    torchrun(2, args(tmp_path / "straight", 8))
+    out = torchrun(2, args(tmp_path / "async", 6))
+    assert "async save started" in out.stdout and "async save complete" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoint").iterdir()) == ["step-3", "step-6"]
+    torchrun(2, args(tmp_path / "async", 8))
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "async")
+    assert [resumed[s] for s in (7, 8)] == [straight[s] for s in (7, 8)]
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoint").iterdir()) == ["step-6", "step-8"]  # keep_latest_k
+
+
+def test_seed_checkpoint_gives_every_layout_the_same_start(corpus_jsonl, tmp_path):
+    seed = tmp_path / "seed"
+    torchrun(1, tiny_args(corpus_jsonl, seed, "--checkpoint.create_seed_checkpoint", "--training.seed", "7"))
+    assert (seed / "checkpoint" / "step-0" / ".metadata").exists()
+    from_seed = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"), "--training.steps", "1",
+                 "--training.data_split", "sequences"]
+    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "ref7", "--training.seed", "7", "--training.steps", "1",
+                          "--training.local_batch_size", "4", "--training.data_split", "sequences"))
+    torchrun(2, tiny_args(corpus_jsonl, tmp_path / "fsdp2", *from_seed))  # its own seed (42) is overridden
+    assert abs(losses(tmp_path / "fsdp2")[1] - losses(tmp_path / "ref7")[1]) < 1e-5
+
+
+def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "run", "--checkpoint.enable", "--training.steps", "3",
+                          "--checkpoint.interval", "3", "--model.flavor", "debugmodel_gqa"))
+    step = tmp_path / "run" / "checkpoint" / "step-3"
+    convert = [sys.executable, str(REPO / "scripts" / "convert_hf.py")]
+    assert run_command([*convert, "to-hf", str(step), str(tmp_path / "hf"), "--flavor", "debugmodel_gqa"], cwd=REPO).returncode == 0
+    assert run_command([*convert, "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")], cwd=REPO).returncode == 0
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from convert_hf import read_model
+
+    from titanlite.models import model_args
+    from titanlite.models.llama import Transformer
+
+    ours = Transformer(model_args("llama3", "debugmodel_gqa", 259, 64))
+    ours.load_state_dict(read_model(step))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    tokens = torch.randint(0, 259, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+    back = read_model(tmp_path / "back")
+    for name, value in ours.state_dict().items():
+        if name != "rope":
+            assert torch.equal(back[name], value), name
