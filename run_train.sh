@@ -7,7 +7,8 @@
 #   COMM_MODE=fake_backend NGPU=512 ./run_train.sh   # dry run: check a 512-rank layout in one process
 #
 # Env: NGPU (processes per node; default: the GPU count, or 1 without GPUs), CONFIG_FILE, LOG_RANK
-# (ranks whose output is shown, default 0), NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID, COMM_MODE.
+# (ranks whose output is shown, default 0), NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID, COMM_MODE,
+# MAX_RESTARTS (torchrun restarts the job after a rank dies; with checkpoints on, it resumes by itself).
 # Extra arguments are config overrides (--section.key value) passed to the trainer.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -41,6 +42,6 @@ else
     RENDEZVOUS=(--standalone)
 fi
 
-exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" \
+exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" --max-restarts "${MAX_RESTARTS:-0}" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m titanlite.train --job.config_file "$CONFIG_FILE" "$@"

@@ -207,9 +207,17 @@ class Metrics:
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = opt(False, "torch.profiler traces")
-    profile_freq: int = opt(10, "trace every N steps")
+    enable_profiling: bool = opt(False, "torch.profiler traces of one step every profile_freq steps, per rank")
+    profile_freq: int = opt(10, "trace every N steps (>= 2)")
     save_traces_folder: str = opt("profile_traces", "trace folder, inside dump_folder")
+    enable_memory_snapshot: bool = opt(False, "CUDA allocator memory snapshots every profile_freq steps (GPU only)")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder, inside dump_folder")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "timeout of collectives until the first step is done")
+    train_timeout_seconds: int = opt(100, "timeout of collectives after the first step (catches hangs sooner)")
 
 
 @dataclass
@@ -235,6 +243,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
 
     def to_dict(self) -> dict:
@@ -455,9 +464,7 @@ def validate(config: JobConfig) -> None:
     # Sections later work fills in: refuse them loudly rather than train without them.
     not_built = {
         "float8.enable": config.float8.enable,
-        "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",
         "compile.enable": config.compile.enable,
-        "profiling.enable_profiling": config.profiling.enable_profiling,
     }
     for key, requested in not_built.items():
         _require(not requested, f"{key} is not available in this version of titanlite yet; leave it at its default")
@@ -467,6 +474,10 @@ def validate(config: JobConfig) -> None:
             f"checkpoint.exclude_from_loading has '{part}'; allowed: model, optimizer, train, dataloader",
         )
     _require(config.checkpoint.keep_latest_k >= 0, f"checkpoint.keep_latest_k={config.checkpoint.keep_latest_k} must be >= 0")
+    _require(config.profiling.profile_freq >= 2, f"profiling.profile_freq={config.profiling.profile_freq} must be >= 2")
+    for name in ("init_timeout_seconds", "train_timeout_seconds"):
+        value = getattr(config.comm, name)
+        _require(value >= 1, f"comm.{name}={value} must be >= 1")
     sac = config.activation_checkpoint.selective_ac_option
     _require(
         sac == "op" or (sac.isdigit() and int(sac) >= 1),

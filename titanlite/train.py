@@ -33,6 +33,7 @@ from titanlite.parallel.context import register_cpu_ring_attention, sequence_par
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
 from titanlite.parallel.pipeline import build_schedule, pipeline_stages
+from titanlite.profiling import Profiler
 
 IGNORE_INDEX = -100
 
@@ -41,7 +42,7 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-def init_distributed(dry_run: bool) -> torch.device:
+def init_distributed(dry_run: bool, init_timeout: int = 300) -> torch.device:
     """Join the process group (nccl on CUDA, gloo on CPU); a plain `python -m` run is a world of 1."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
@@ -60,8 +61,19 @@ def init_distributed(dry_run: bool) -> torch.device:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    # After torchrun restarts a failed job, the agent's store still holds the dead attempt's gloo
+    # addresses under the default prefix; a prefix per attempt keeps the new ranks from waiting on them.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=init_timeout)))
+    store = dist.PrefixStore(f"titanlite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
     return device
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """After the first step (compilation, data setup done), a hang should fail fast."""
+    dist.barrier()
+    for group in [None, *dist.distributed_c10d._world.pg_map]:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -142,6 +154,7 @@ class Trainer:
             writes_files=dist.get_rank() == 0,
         )
         self.checkpointer = Checkpointer(config, self)
+        self.profiler = None
 
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
@@ -261,6 +274,8 @@ class Trainer:
         gc.collect()
         data_iter = iter(self.dataloader)
         loss = grad_norm = float("nan")
+        self.profiler = Profiler(self.config, dist.get_rank(), self.device)
+        first_step = self.step + 1
         while self.step < t.steps:
             self.step += 1
             if self.step % t.gc_freq == 0:
@@ -283,7 +298,11 @@ class Trainer:
                 self.metrics.log_validation(self.step, self.validate())
                 self.metrics.reset()  # keep evaluation time out of the next throughput window
             self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
+            self.profiler.after_step(self.step)
+            if self.step == first_step:
+                set_collective_timeout(self.config.comm.train_timeout_seconds)
         self.checkpointer.wait()
+        self.profiler.close()
         elapsed = time.perf_counter() - self.metrics.start
         log_line(
             f"done: {self.step} steps, final loss {loss:.4f}, {self.tokens_seen:,} tokens in {elapsed:.1f}s "
@@ -314,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         config = parse_args(argv)
-        device = init_distributed(config.job.dry_run)
+        device = init_distributed(config.job.dry_run, config.comm.init_timeout_seconds)
         trainer = Trainer(config, device)
         if config.job.dry_run:
             trainer.describe_dry_run()

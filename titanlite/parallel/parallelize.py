@@ -1,8 +1,9 @@
 """The one place where a plain model becomes a parallel one, in a fixed order you can read:
 
-    tensor parallel -> (float8) -> (context parallel) -> (activation checkpointing) -> (compile) -> FSDP
+    tensor parallel -> (float8) -> activation checkpointing -> (compile) -> FSDP
 
-Steps in parentheses are filled in by their own modules as they land.
+Steps in parentheses are filled in by their own modules as they land. Context parallel changes no
+module: it is a per-step context (parallel/context.py), and pipeline stages are split before this.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.config import JobConfig
+from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.tensor import apply_tp
@@ -41,6 +43,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
     p = config.parallelism
     if dims.tp_enabled:
         apply_tp(model, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config))
+
+    ac = config.activation_checkpoint
+    if ac.mode != "none":
+        apply_ac(model, ac.mode, ac.selective_ac_option)
 
     dtype = param_dtype(config, device_type)
     # FSDP also carries mixed precision, so a single device in bf16 gets it too.
