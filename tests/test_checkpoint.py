@@ -143,3 +143,28 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
     for name, value in ours.state_dict().items():
         if name != "rope":
             assert torch.equal(back[name], value), name
+
+
+def _load_pickled_checkpoint(path: str) -> str:
+    from types import SimpleNamespace
+
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.checkpoint import Checkpointer
+    from titanlite.config import ConfigError, parse_args
+
+    # A checkpoint whose train.step is a Python object: DCP would unpickle it on load.
+    dcp.save({"train": {"step": 7, "tokens_seen": torch.tensor(0)}}, checkpoint_id=path)
+    checkpointer = Checkpointer(parse_args([]), SimpleNamespace())
+    try:
+        checkpointer.load_from(__import__("pathlib").Path(path), {"train"})
+    except ConfigError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_loading_refuses_non_tensor_entries(tmp_path):
+    from distributed import run_distributed
+
+    (message,) = run_distributed(_load_pickled_checkpoint, 1, str(tmp_path / "bad"))
+    assert "entry 'train.step' is not a tensor; refusing to unpickle it" in message

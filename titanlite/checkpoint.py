@@ -201,6 +201,9 @@ class Checkpointer:
             raise ConfigError(f"checkpoint path '{path}' holds no complete DCP checkpoint (no .metadata)")
         saved = {key.split(".", 1)[0] for key in metadata}
         parts &= saved  # a model-only checkpoint resumes the weights only
+        for key, m in metadata.items():
+            if key.split(".", 1)[0] in parts and not isinstance(m, TensorStorageMetadata):
+                raise ConfigError(f"checkpoint '{path}' entry '{key}' is not a tensor; refusing to unpickle it")
         state = {}
         if "model" in parts:
             state["model"] = model_state(t.model_parts)
@@ -211,7 +214,7 @@ class Checkpointer:
             state["train"] = {
                 key.split(".", 1)[1]: torch.zeros(m.size, dtype=m.properties.dtype)
                 for key, m in metadata.items()
-                if key.startswith("train.") and isinstance(m, TensorStorageMetadata)
+                if key.startswith("train.")
             }
         if "dataloader" in parts:
             state["dataloader"] = {
@@ -221,7 +224,7 @@ class Checkpointer:
             }
         for key in _flatten_keys(state):
             if not isinstance(metadata.get(key), TensorStorageMetadata):
-                raise ConfigError(f"checkpoint '{path}' entry '{key}' is missing or not a tensor; refusing to load it")
+                raise ConfigError(f"checkpoint '{path}' has no entry '{key}'; it was not written by this titanlite")
         dcp.load(state, checkpoint_id=str(path))
 
         if "model" in state:
