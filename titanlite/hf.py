@@ -40,6 +40,11 @@ def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def rotary_heads(name: str, n_heads: int, n_kv_heads: int) -> int | None:
+    """Heads of a projection whose output RoPE rotates (q and k), whose rows the two layouts order differently."""
+    return {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads}.get(name)
+
+
 def to_hf(state: dict, n_heads: int, n_kv_heads: int) -> dict:
     out = {}
     for name, w in state.items():
@@ -47,10 +52,8 @@ def to_hf(state: dict, n_heads: int, n_kv_heads: int) -> dict:
             out[TOP_NAMES[name]] = w
             continue
         layer, rest = LAYER.match(name).groups()
-        if rest == "attention.wq.weight":
-            w = pairs_to_halves(w, n_heads)
-        elif rest == "attention.wk.weight":
-            w = pairs_to_halves(w, n_kv_heads)
+        if heads := rotary_heads(rest, n_heads, n_kv_heads):
+            w = pairs_to_halves(w, heads)
         out[f"model.layers.{layer}.{LAYER_NAMES[rest]}"] = w
     return out
 
@@ -67,10 +70,8 @@ def from_hf(state: dict, n_heads: int, n_kv_heads: int) -> dict:
         if not match or match.group(2) not in layer_names:
             continue  # e.g. rotary inv_freq buffers of old exports
         layer, rest = match.group(1), layer_names[match.group(2)]
-        if rest == "attention.wq.weight":
-            w = halves_to_pairs(w, n_heads)
-        elif rest == "attention.wk.weight":
-            w = halves_to_pairs(w, n_kv_heads)
+        if heads := rotary_heads(rest, n_heads, n_kv_heads):
+            w = halves_to_pairs(w, heads)
         out[f"layers.{layer}.{rest}"] = w
     return out
 

@@ -320,7 +320,7 @@ class Trainer:
 
     def describe_dry_run(self) -> None:
         """What each rank would hold, from the meta-device model: checks a big layout on a laptop."""
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.parameters())
+        local = sum(local_value(p).numel() for p in self.parameters())
         # fp32 params + grads + two Adam moments per local parameter.
         log_line(
             f"dry run OK: layout {self.dims.describe()}; model {self.num_params:,} params, "
