@@ -77,11 +77,13 @@ def test_dry_run_checks_a_512_gpu_layout_in_one_process():
 
 
 def test_parallel_layouts_match_one_process_through_the_cli(corpus_jsonl, tmp_path):
-    """Free-running loss curves of 8 steps: 1 process vs FSDP 2, PP 2 and FSDP 2 x TP 2 (same global batches)."""
+    """Free-running loss curves of 8 steps: 1 process vs 1 compiled process, FSDP 2, PP 2 and FSDP 2 x TP 2
+    (same global batches)."""
     common = ["--training.steps", "8", "--training.data_split", "sequences", "--model.flavor", "debugmodel_gqa",
               "--validation.enable", "--validation.dataset", str(corpus_jsonl), "--validation.freq", "4"]
     runs = {
         "single": (1, ["--training.local_batch_size", "4"]),
+        "single_compiled": (1, ["--training.local_batch_size", "4", "--compile.enable"]),
         "fsdp2": (2, ["--training.local_batch_size", "2"]),
         "pp2": (2, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),

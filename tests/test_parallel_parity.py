@@ -47,6 +47,7 @@ def reduced(grad: torch.Tensor) -> torch.Tensor:
 
 def parity_case(dataset: str, dump_folder: str, overrides: list[str]) -> dict:
     from titanlite.config import parse_args
+    from titanlite.float8 import convert_to_float8
     from titanlite.models.llama import Transformer, canonical_fqn
     from titanlite.optim import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
@@ -58,6 +59,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str]) -> dict:
 
     reference = Transformer(trainer.model_parts[0].args)
     reference.init_weights(t.seed)
+    if config.float8.enable:
+        convert_to_float8(reference, config.float8.recipe_name, config.float8.filter_fqns, config.float8.emulate)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
         reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
     )
@@ -68,7 +71,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str]) -> dict:
     pairs = [
         (name, p, ref_params[canonical_fqn(name)]) for part in trainer.model_parts for name, p in part.named_parameters()
     ]
-    worst = {"init": 0.0, "loss": 0.0, "grad": 0.0, "grad_norm": 0.0, "param": 0.0}
+    worst = {"init": 0.0, "loss": 0.0, "grad": 0.0, "grad_l2": 0.0, "grad_norm": 0.0, "param": 0.0}
 
     def record(key: str, value: float, where: str) -> None:
         if value > worst[key]:
@@ -91,13 +94,20 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str]) -> dict:
             start = (i * trainer.dp_degree + trainer.dp_rank) * t.local_batch_size
             microbatches.append((inputs[start : start + t.local_batch_size], labels[start : start + t.local_batch_size]))
         loss = trainer.compute_gradients(microbatches)
-        ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), labels.flatten())
+        # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
+        # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
+        rows = t.local_batch_size if config.float8.enable else len(inputs)
+        ref_loss = sum(
+            F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), reduction="sum")
+            for x, y in zip(inputs.split(rows), labels.split(rows))
+        ) / labels.numel()
         ref_loss.backward()
         record("loss", abs(loss - ref_loss.item()), f"step {step}")
         for name, p, ref in pairs:
             grad = reduced(p.grad)
-            diff = (local(grad) - local_slice(ref.grad, grad)).abs().max() / ref.grad.abs().max()
-            record("grad", diff.item(), f"{name} step {step}")
+            diff = local(grad) - local_slice(ref.grad, grad)
+            record("grad", (diff.abs().max() / ref.grad.abs().max()).item(), f"{name} step {step}")
+            record("grad_l2", (diff.norm() / local_slice(ref.grad, grad).norm()).item(), f"{name} step {step}")
             # Both optimizers step on the same gradients: Adam is elementwise, so the sharded update
             # must then match the full one exactly, where Adam would otherwise turn round-off in
             # near-zero gradients into visible weight differences (even between two 1-process runs).
@@ -113,7 +123,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str]) -> dict:
             record("param", (local(p.detach()) - local_slice(ref.detach(), p)).abs().max().item(), f"{name} after step {step}")
             assign_full_value(p, ref.detach())  # the next step starts from identical weights
     # Each rank compared its own shards: the worst over all ranks decides.
-    keys = ["init", "loss", "grad", "grad_norm", "param"]
+    keys = ["init", "loss", "grad", "grad_l2", "grad_norm", "param"]
     values = torch.tensor([worst[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     worst.update(zip(keys, values.tolist()))
@@ -130,19 +140,31 @@ def run_cases(dataset: str, dump_folder: str, cases: dict[str, list[str]]) -> di
     return results
 
 
+# Float8 rounding is discontinuous: under sequence parallel, fp32 round-off (norms on sequence
+# shards, reduce-scatter order) now and then flips one float8 rounding of a gradient, and the layers
+# behind it get a gradient a few percent off at that step (measured on tp2_float8: exact in most
+# steps and layers, once 4% (L2) in layer 0 of 6). Without sequence parallel, or with FSDP, float8
+# matches exactly; losses match tightly everywhere.
+ROUNDING_FLIPS = {"tp2_float8", "tp2_float8_rowwise_with_gw_hp", "fsdp2_tp2_float8_all_gather"}
+
+
 def check(results: list[dict]) -> None:
-    """Initial weights bitwise; loss absolute; gradients relative to each tensor's largest entry;
-    grad norm relative; weights absolute after each AdamW step."""
+    """Initial weights bitwise; loss absolute; gradients relative to each tensor's largest entry
+    (or in L2 where float8 roundings flip); grad norm relative; weights absolute after each AdamW step."""
     for rank, by_case in enumerate(results):
         for case, worst in by_case.items():
             assert worst["init"] == 0.0, f"{case} rank {rank}: initial weights differ: {worst}"
             assert worst["loss"] < 1e-5, f"{case} rank {rank}: loss differs: {worst}"
-            assert worst["grad"] < 1e-5, f"{case} rank {rank}: gradient differs (relative): {worst}"
+            if case in ROUNDING_FLIPS:
+                assert worst["grad_l2"] < 0.1, f"{case} rank {rank}: gradient differs (relative L2): {worst}"
+            else:
+                assert worst["grad"] < 1e-5, f"{case} rank {rank}: gradient differs (relative): {worst}"
             assert worst["grad_norm"] < 1e-5, f"{case} rank {rank}: grad norm differs (relative): {worst}"
             assert worst["param"] < 1e-6, f"{case} rank {rank}: weights differ after a step: {worst}"
 
 
 TP = "--parallelism.tensor_parallel_degree"
+F8 = ["--float8.enable", "--float8.emulate"]
 PP = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
 
 
@@ -162,6 +184,17 @@ CASES_2 = {
     "fsdp2_ac_full": ["--activation_checkpoint.mode", "full"],
     "fsdp2_ac_selective_op": ["--activation_checkpoint.mode", "selective"],
     "tp2_ac_every_2nd_block": [TP, "2", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    # torch.compile (inductor) of blocks and loss: the same math up to fp32 reassociation.
+    "fsdp2_compile_ac_op": ["--compile.enable", "--activation_checkpoint.mode", "selective"],
+    "tp2_compile": [TP, "2", "--compile.enable"],
+    # float8 (emulated matmuls: the same float8 rounding as _scaled_mm, fast on CPU).
+    "fsdp2_float8_all_gather": F8 + ["--float8.enable_fsdp_float8_all_gather"],
+    "fsdp2_float8_all_gather_precomputed": F8 + ["--float8.enable_fsdp_float8_all_gather",
+                                                 "--float8.precompute_float8_dynamic_scale_for_fsdp"],
+    "fsdp2_float8_rowwise": F8 + ["--float8.recipe_name", "rowwise"],
+    "tp2_float8": F8 + [TP, "2"],
+    "tp2_float8_no_sp": F8 + [TP, "2", "--parallelism.enable_sequence_parallel", "false"],
+    "tp2_float8_rowwise_with_gw_hp": F8 + [TP, "2", "--float8.recipe_name", "rowwise_with_gw_hp"],
 }
 # Pipeline parallel on 2 ranks: every single-stage schedule, every multi-stage one with 2 stages per
 # rank (loop order, or V order for ZBVZeroBubble/DualPipeV), explicit stages, gradient accumulation.
@@ -186,6 +219,7 @@ CASES_CP2 = {
     "cp2_allgather_no_balance": [CP, "2", "--parallelism.context_parallel_load_balancer", "none"],
     "cp2_alltoall_no_balance": [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall",
                                 "--parallelism.context_parallel_load_balancer", "none"],
+    "cp2_compile": [CP, "2", "--compile.enable"],
 }
 CASES_CP4 = {
     "cp4_allgather_headtail": [CP, "4"],
@@ -204,6 +238,9 @@ CASES_4 = {
     "pp4_1f1b": ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "4"],
     "pp2_fsdp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
     "pp2_tp2_1f1b": PP + [TP, "2"],
+    "fsdp2_tp2_compile": [TP, "2", "--model.flavor", "debugmodel_gqa", "--compile.enable"],
+    "fsdp2_tp2_float8_all_gather": F8 + [TP, "2", "--model.flavor", "debugmodel_gqa", "--float8.enable_fsdp_float8_all_gather",
+                                         "--float8.precompute_float8_dynamic_scale_for_fsdp"],
 }
 CASES_8 = {
     "pp2_fsdp2_tp2_1f1b": PP + [TP, "2", "--model.flavor", "debugmodel_gqa"],

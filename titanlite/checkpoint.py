@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.config import ConfigError, JobConfig
+from titanlite.float8 import plain_tensor
 from titanlite.metrics import log_line
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -59,7 +60,7 @@ def complete_steps(folder: Path) -> list[int]:
 def model_state(parts, export_dtype: torch.dtype | None = None) -> dict:
     sd = {}
     for part in parts:
-        sd.update(get_model_state_dict(part))
+        sd.update({k: plain_tensor(v) for k, v in get_model_state_dict(part).items()})
     if export_dtype is not None:
         sd = {k: v.to(export_dtype) for k, v in sd.items()}
     return sd

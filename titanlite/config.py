@@ -184,7 +184,7 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
-    enable: bool = opt(False, "torch.compile each transformer block")
+    enable: bool = opt(False, "torch.compile each transformer block (with TP: its attention and feed_forward)")
     components: list[str] = opt(["model", "loss"], "what to compile: model, loss")
 
 
@@ -192,7 +192,12 @@ class Compile:
 class Float8:
     enable: bool = opt(False, "float8 training of linear layers")
     recipe_name: str = opt("tensorwise", "scaling recipe", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    enable_fsdp_float8_all_gather: bool = opt(False, "FSDP all-gathers weights in float8 (tensorwise recipe)")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "with float8 all-gather: all weights' scales from one all-reduce per step"
+    )
     filter_fqns: list[str] = opt(["output"], "linear layers to keep in high precision (name substrings)")
+    emulate: bool = opt(False, "multiply dequantized float8 values in high precision (no float8 matmul hardware)")
 
 
 @dataclass
@@ -462,12 +467,18 @@ def validate(config: JobConfig) -> None:
     for part in config.compile.components:
         _require(part in ("model", "loss"), f"compile.components has '{part}'; allowed: model, loss")
     # Sections later work fills in: refuse them loudly rather than train without them.
-    not_built = {
-        "float8.enable": config.float8.enable,
-        "compile.enable": config.compile.enable,
-    }
-    for key, requested in not_built.items():
-        _require(not requested, f"{key} is not available in this version of titanlite yet; leave it at its default")
+    f8 = config.float8
+    _require(
+        not (f8.enable and f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise"),
+        f"float8.enable_fsdp_float8_all_gather needs float8.recipe_name='tensorwise', not '{f8.recipe_name}'; "
+        "turn one of them off",
+    )
+    _require(
+        not (f8.enable and f8.enable_fsdp_float8_all_gather and config.parallelism.tensor_parallel_degree > 1
+             and not f8.precompute_float8_dynamic_scale_for_fsdp),
+        "float8.enable_fsdp_float8_all_gather with tensor_parallel_degree > 1 needs "
+        "float8.precompute_float8_dynamic_scale_for_fsdp=true (the scale spans the TP shards too)",
+    )
     for part in config.checkpoint.exclude_from_loading:
         _require(
             part in ("model", "optimizer", "train", "dataloader"),

@@ -26,6 +26,7 @@ from titanlite.checkpoint import Checkpointer
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.float8 import precompute_float8_scales
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import build_model, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -114,6 +115,8 @@ class Trainer:
         for part in self.model_parts:
             parallelize(part, self.dims, config, device.type)
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
+        compile_loss = config.compile.enable and "loss" in config.compile.components
+        self.cross_entropy = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
         if self.dims.cp_enabled and device.type == "cpu":
             register_cpu_ring_attention()
         if device.type == "meta":
@@ -179,7 +182,7 @@ class Trainer:
             yield inputs, labels
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return local_value(cross_entropy_sum(logits, labels)) / self.loss_scale
+        return local_value(self.cross_entropy(logits, labels)) / self.loss_scale
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
         """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last
@@ -211,8 +214,16 @@ class Trainer:
         global_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         dist.all_reduce(global_tokens, group=self.batch_group)
         self.loss_scale = global_tokens
+        self.refresh_float8_scales()
         loss = sum(self.forward(x, y, backward=True) for x, y in microbatches)
         return self.reduce_loss(loss).item()
+
+    def refresh_float8_scales(self) -> None:
+        """One all-reduce for every float8 all-gather weight's scale, before the weights are gathered."""
+        f8 = self.config.float8
+        if f8.enable and f8.enable_fsdp_float8_all_gather and f8.precompute_float8_dynamic_scale_for_fsdp:
+            for part in self.model_parts:
+                precompute_float8_scales(part)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that hold parts of the loss: data/context ranks, and the last pp stage."""
@@ -237,6 +248,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         v = self.config.validation
+        self.refresh_float8_scales()
         for part in self.model_parts:
             part.eval()
         loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")

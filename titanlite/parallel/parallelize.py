@@ -1,9 +1,9 @@
 """The one place where a plain model becomes a parallel one, in a fixed order you can read:
 
-    tensor parallel -> (float8) -> activation checkpointing -> (compile) -> FSDP
+    float8 linears -> tensor parallel -> activation checkpointing -> compile -> FSDP (float8 all-gather)
 
-Steps in parentheses are filled in by their own modules as they land. Context parallel changes no
-module: it is a per-step context (parallel/context.py), and pipeline stages are split before this.
+Context parallel changes no module: it is a per-step context (parallel/context.py), and pipeline
+stages are split before this.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.config import JobConfig
+from titanlite.float8 import convert_to_float8, enable_float8_all_gather
 from titanlite.parallel.activation_checkpoint import apply_ac
+from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.tensor import apply_tp
@@ -40,18 +42,29 @@ def data_parallel_mesh(dims: ParallelDims):
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str) -> nn.Module:
-    p = config.parallelism
+    p, f8 = config.parallelism, config.float8
+    if f8.enable:
+        convert_to_float8(model, f8.recipe_name, f8.filter_fqns, f8.emulate)
+
     if dims.tp_enabled:
-        apply_tp(model, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config))
+        apply_tp(
+            model, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config),
+            float8_recipe=f8.recipe_name if f8.enable else None,
+        )
 
     ac = config.activation_checkpoint
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
 
+    if config.compile.enable and "model" in config.compile.components:
+        apply_compile(model, dims.tp_enabled)
+
     dtype = param_dtype(config, device_type)
     # FSDP also carries mixed precision, so a single device in bf16 gets it too.
     if dims.dp_enabled or dims.cp_enabled or dtype != torch.float32:
         reshard = {"default": not dims.pp_enabled, "always": True, "never": False}[p.fsdp_reshard_after_forward]
+        if f8.enable and f8.enable_fsdp_float8_all_gather:
+            enable_float8_all_gather(model)
         apply_fsdp(
             model,
             data_parallel_mesh(dims),

@@ -19,9 +19,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanlite.float8 import Float8PrepareModuleInput
 
-def block_plan(sequence_parallel: bool) -> dict:
-    """The TP plan of one TransformerBlock: q/k/v and w1/w3 column-wise, wo and w2 row-wise."""
+
+def block_plan(sequence_parallel: bool, float8_recipe: str | None = None) -> dict:
+    """The TP plan of one TransformerBlock: q/k/v and w1/w3 column-wise, wo and w2 row-wise. With
+    tensorwise float8 linears, sequence parallel's gathers before them move float8 bytes."""
     between_blocks = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attention.wq": ColwiseParallel(),
@@ -40,6 +43,8 @@ def block_plan(sequence_parallel: bool) -> dict:
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
+        if float8_recipe == "tensorwise":
+            plan |= {"attention": Float8PrepareModuleInput(), "feed_forward": Float8PrepareModuleInput()}
     return plan
 
 
@@ -58,8 +63,10 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -
     return {name: style for name, style in plan.items() if style is not None and getattr(model, name) is not None}
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, float8_recipe: str | None = None
+) -> None:
     parallelize_module(model, tp_mesh, model_plan(model, sequence_parallel, loss_parallel))
-    plan = block_plan(sequence_parallel)
+    plan = block_plan(sequence_parallel, float8_recipe)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
