@@ -60,7 +60,11 @@ def test_torchtitan_location_of_mixed_precision_is_accepted():
         (["--parallelism.data_parallel_shard_degree", "0"], ["data_parallel_shard_degree=0", "-1"]),
         (["--job.config_file", "/nonexistent.toml"], ["/nonexistent.toml", "does not exist"]),
         (["stray"], ["unexpected argument 'stray'"]),
-        (["--float8.enable"], ["float8.enable", "not available"]),
+        (["--float8.enable", "--float8.enable_fsdp_float8_all_gather", "--float8.recipe_name", "rowwise"],
+         ["float8.enable_fsdp_float8_all_gather", "'rowwise'", "tensorwise"]),
+        (["--float8.enable", "--float8.enable_fsdp_float8_all_gather", "--parallelism.tensor_parallel_degree", "2"],
+         ["tensor_parallel_degree", "precompute_float8_dynamic_scale_for_fsdp=true"]),
+        (["--compile.components", "model,optimizer"], ["compile.components", "'optimizer'", "model, loss"]),
     ],
 )
 def test_bad_input_names_key_value_and_fix(args, words):

@@ -26,7 +26,7 @@ from titanlite.checkpoint import Checkpointer
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.float8 import precompute_float8_scales
+from titanlite.float8 import Float8Linear, precompute_float8_scales
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import build_model, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -275,6 +275,16 @@ class Trainer:
             f"{self.accumulation_steps} microbatch(es)/step; MFU peak {self.metrics.peak / 1e12:.2f} TFLOP/s "
             f"({self.metrics.peak_source}); device {self.device}"
         )
+        f8 = self.config.float8
+        if f8.enable:
+            n = sum(isinstance(m, Float8Linear) for part in self.model_parts for m in part.modules())
+            how = "emulated in high precision" if f8.emulate else "torch._scaled_mm"
+            log_line(
+                f"float8 {f8.recipe_name}: {n} linear layers ({how}); MFU counts their FLOPs against the "
+                "high-precision (bf16) peak above, not a float8 peak"
+                + ("; tensorwise float8 matmuls run a very slow reference kernel on CPU: set float8.emulate=true"
+                   if self.device.type == "cpu" and not f8.emulate and f8.recipe_name == "tensorwise" else "")
+            )
         if self.pp_schedule is not None:
             log_line(
                 f"pipeline: {self.config.parallelism.pipeline_parallel_schedule}, this rank holds stages {self.stage_ids}; "
