@@ -208,6 +208,7 @@ class Metrics:
     peak_flops: float = opt(
         0.0, "peak FLOP/s per device for MFU; 0 = look up the GPU, or measure a matmul on CPU"
     )
+    gpu_hour_cost: float = opt(0.0, "dollars per device-hour, for the cost per million tokens (0 = not reported)")
 
 
 @dataclass
@@ -464,6 +465,7 @@ def validate(config: JobConfig) -> None:
         f"parallelism.pipeline_parallel_microbatch_size={mb} must be >= 1 and divide training.local_batch_size={t.local_batch_size}",
     )
     _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
+    _require(m.gpu_hour_cost >= 0, f"metrics.gpu_hour_cost={m.gpu_hour_cost} must be >= 0 (dollars; 0 = off)")
     for part in config.compile.components:
         _require(part in ("model", "loss"), f"compile.components has '{part}'; allowed: model, loss")
     # Sections later work fills in: refuse them loudly rather than train without them.

@@ -14,22 +14,7 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
-GPU_PEAK_FLOPS = [
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM / NVL
-    ("H800", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("A10G", 125e12),
-    ("MI300X", 1307e12),
-    ("MI325X", 1307e12),
-]
-
+from titanlite.hardware import find_gpu
 
 def peak_flops(device: torch.device, configured: float) -> tuple[float, str]:
     """(peak FLOP/s per device, how it was obtained) for the MFU denominator."""
@@ -37,9 +22,9 @@ def peak_flops(device: torch.device, configured: float) -> tuple[float, str]:
         return configured, "configured"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS:
-            if key in name:
-                return value, f"{key} bf16 spec"
+        gpu = find_gpu(name)
+        if gpu:
+            return gpu.bf16_flops, f"{gpu.name} bf16 spec"
         return 312e12, f"unknown GPU '{name}': A100 bf16 peak assumed"
     return measure_cpu_flops(), "CPU fp32 matmul, measured"
 
@@ -55,6 +40,25 @@ def measure_cpu_flops(n: int = 512, seconds: float = 0.3) -> float:
             torch.mm(a, b)
         best = max(best, 4 * 2 * n**3 / (time.perf_counter() - start))
     return best
+
+
+def power_source(device: torch.device) -> str | None:
+    """How device power is known: 'NVML' readings, a 'TDP estimate', or None (CPU: not measured)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.power_draw(device)
+        return "NVML"
+    except Exception:  # no pynvml / amdsmi, or the driver refuses: fall back to the board's TDP
+        return "TDP estimate" if find_gpu(torch.cuda.get_device_name(device)) else None
+
+
+def power_watts(device: torch.device, source: str | None) -> float | None:
+    if source == "NVML":
+        return torch.cuda.power_draw(device) / 1000  # milliwatts
+    if source == "TDP estimate":
+        return find_gpu(torch.cuda.get_device_name(device)).tdp_watts
+    return None
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -74,6 +78,8 @@ class MetricsLogger:
         m = config.metrics
         self.device, self.flops_per_token, self.tokens_divisor = device, flops_per_token, tokens_divisor
         self.peak, self.peak_source = peak_flops(device, m.peak_flops)
+        self.gpu_hour_cost = m.gpu_hour_cost
+        self.power_source = power_source(device)
         self.folder = Path(config.job.dump_folder)
         self.writes_files, self.tensorboard = writes_files, m.enable_tensorboard
         self.tb_folder = self.folder / m.save_tb_folder / time.strftime("%Y%m%d-%H%M%S")
@@ -122,10 +128,18 @@ class MetricsLogger:
             "tokens_seen": tokens_seen,
             "elapsed_s": time.perf_counter() - self.start,
         }
+        costs = ""
+        if self.gpu_hour_cost > 0:  # device-hours per million tokens x price
+            row["usd_per_mtok"] = self.gpu_hour_cost * 1e6 / (tps * 3600)
+            costs += f" | ${row['usd_per_mtok']:.3f}/Mtok"
+        watts = power_watts(self.device, self.power_source)
+        if watts is not None:
+            row["power_w"], row["joules_per_token"] = watts, watts / tps
+            costs += f" | {row['joules_per_token']:.3f} J/tok"
         print(
             f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:7.3f} | lr {lr:.2e} | "
             f"tps {tps:>9,.0f} | tflops {tflops:7.2f} | mfu {row['mfu']:5.2f}% | mem {row['memory_gib']:6.2f} GiB | "
-            f"data {100 * row['data_share']:4.1f}% | {row['elapsed_s']:7.1f}s",
+            f"data {100 * row['data_share']:4.1f}%{costs} | {row['elapsed_s']:7.1f}s",
             flush=True,
         )
         self._write(step, row)
