@@ -21,8 +21,10 @@ def tiny(vocab=320, **overrides):
     "flavor, billions", [("8B", 8.03), ("70B", 70.55), ("405B", 405.85)]
 )
 def test_presets_have_metas_sizes(flavor, billions):
-    model = build_model(model_args("llama3", flavor, 0, 8192))
+    args = model_args("llama3", flavor, 0, 8192)
+    model = build_model(args)
     assert model.num_params() / 1e9 == pytest.approx(billions, abs=0.01)
+    assert args.num_params() == model.num_params()  # the planner counts from the shapes alone
     assert next(model.parameters()).device.type == "meta"
 
 

@@ -52,6 +52,7 @@ class Job:
 class Model:
     name: str = opt("llama3", "model family", choices=("llama3",))
     flavor: str = opt("debugmodel", "model size preset", choices=tuple(LLAMA3_FLAVORS))
+    n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (fewer: a big model's shape on fewer GPUs)")
     tokenizer_path: str = opt(
         "shakespeare-bpe8k",
         "'byte' (no files), 'shakespeare-bpe8k' (bundled), or a tokenizer.json / tiktoken file or a folder holding one",
@@ -465,6 +466,7 @@ def validate(config: JobConfig) -> None:
         f"parallelism.pipeline_parallel_microbatch_size={mb} must be >= 1 and divide training.local_batch_size={t.local_batch_size}",
     )
     _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
+    _require(config.model.n_layers >= 0, f"model.n_layers={config.model.n_layers} must be >= 0 (0 = the flavor's)")
     _require(m.gpu_hour_cost >= 0, f"metrics.gpu_hour_cost={m.gpu_hour_cost} must be >= 0 (dollars; 0 = off)")
     for part in config.compile.components:
         _require(part in ("model", "loss"), f"compile.components has '{part}'; allowed: model, loss")
@@ -524,10 +526,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = parse_args(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        from titanlite.models import model_args
         from titanlite.parallel.dims import ParallelDims
 
         dims = ParallelDims.from_config(config, world_size)
-        args = LLAMA3_FLAVORS[config.model.flavor]
+        args = model_args(config.model.name, config.model.flavor, 0, config.training.seq_len, config.model.n_layers)
         dims.check_model(args.n_heads, args.n_kv_heads)
         if dims.pp_enabled:  # imports torch, so only when there is a pipeline to check
             from titanlite.parallel.pipeline import plan_stages

@@ -97,7 +97,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         self.tokenizer = build_tokenizer(config.model.tokenizer_path)
-        args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, t.seq_len)
+        args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, t.seq_len, config.model.n_layers)
         self.dims.check_model(args.n_heads, args.n_kv_heads)
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ConfigError(

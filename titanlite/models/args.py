@@ -31,6 +31,27 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def block_params(self) -> int:
+        """wq, wk, wv, wo, w1, w2, w3 and the two norms of one TransformerBlock."""
+        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn_hidden_dim + 2 * self.dim
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        embedding = 0 if exclude_embedding else self.vocab_size * self.dim
+        return embedding + self.n_layers * self.block_params + self.dim + self.dim * self.vocab_size  # + norm, output
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per non-embedding weight, plus attention scores and values.
+
+        12 * layers * heads * head_dim * seq_len counts QK^T and AV (2 matmuls x 2 FLOPs x 3 for
+        forward + backward) without halving for the causal mask, as PaLM, nanoGPT and TorchTitan do.
+        """
+        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
     def with_vocab(self, tokenizer_vocab: int) -> "ModelArgs":
         """Flavors with vocab_size 0 take the tokenizer's, padded to a multiple of 64 so the embedding
         and output split evenly under tensor parallel (and matmuls align)."""

@@ -174,10 +174,4 @@ class Transformer(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 per non-embedding weight, plus attention scores and values.
-
-        12 * layers * heads * head_dim * seq_len counts QK^T and AV (2 matmuls x 2 FLOPs x 3 for
-        forward + backward) without halving for the causal mask, as PaLM, nanoGPT and TorchTitan do.
-        """
-        a = self.args
-        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+        return self.args.flops_per_token(seq_len)

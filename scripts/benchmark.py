@@ -1,0 +1,227 @@
+"""Measure throughput, MFU and memory of a matrix of configs through the real trainer.
+
+    python scripts/benchmark.py --preset cpu            # debug shape: 1 rank, FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2
+    python scripts/benchmark.py --preset gpu            # Llama 3 8B shape (8 blocks) on one GPU: bf16/float8, compile, AC
+    python scripts/benchmark.py --preset cpu --only 1rank fsdp2 --steps 30
+
+Each run is a torchrun of `titanlite.train`; the steps after --warmup are averaged. One row per run
+is appended to OUT/results.jsonl (and OUT/results.csv rewritten); the table is printed and drawn
+to OUT/results.png. Runs with `bare=True` also time a bare loop (forward, backward, clip, AdamW)
+of the same model on the same batches in a fresh process, and report the trainer's overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titanlite.launch import pyplot, read_metrics, run_trainer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Run:
+    name: str
+    nproc: int
+    overrides: list[str] = field(default_factory=list)
+    bare: bool = False  # also time the bare loop (1 process only)
+
+
+# The CPU shape of issue 9: debug model (dim 256, 6 layers, 16 heads), seq 256, local batch 8, fp32.
+CPU_SHAPE = ["--training.seq_len", "256", "--training.local_batch_size", "8", "--training.mixed_precision_param", "float32"]
+TP, PP, CP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree", "--parallelism.context_parallel_degree"
+# Llama 3 8B's block shape (dim 4096, 32 heads, 8 kv heads, ffn 14336) with 8 of its 32 blocks: one GPU.
+GPU_SHAPE = ["--model.flavor", "8B", "--model.n_layers", "8", "--training.seq_len", "8192", "--training.local_batch_size", "1",
+             "--training.mixed_precision_param", "bfloat16"]
+COMPILE, FLOAT8 = ["--compile.enable"], ["--float8.enable"]
+
+PRESETS = {
+    "cpu": (CPU_SHAPE, 2, [
+        Run("1rank", 1, bare=True),
+        Run("fsdp2", 2),
+        Run("tp2", 2, [TP, "2"]),
+        Run("pp2", 2, [PP, "2"]),
+        Run("cp2", 2, [CP, "2"]),
+        Run("fsdp2_tp2", 4, [TP, "2"]),
+    ]),
+    "gpu": (GPU_SHAPE, None, [
+        Run("bf16", 1),
+        Run("bf16_compile", 1, COMPILE),
+        Run("float8_tensorwise_compile", 1, COMPILE + FLOAT8),
+        Run("float8_rowwise_compile", 1, COMPILE + FLOAT8 + ["--float8.recipe_name", "rowwise"]),
+        Run("bf16_compile_ac_op", 1, COMPILE + ["--activation_checkpoint.mode", "selective"]),
+        Run("bf16_compile_ac_full", 1, COMPILE + ["--activation_checkpoint.mode", "full"]),
+    ]),
+    # A quick end-to-end check of this script (the tests run it).
+    "smoke": (["--training.seq_len", "64", "--training.local_batch_size", "2"], 1, [Run("1rank", 1, bare=True), Run("fsdp2", 2)]),
+}
+
+
+def trainer_args(shape: list[str], run: Run, tokenizer: str, dataset: str, steps: int, folder: Path) -> list[str]:
+    return [
+        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.tokenizer_path", tokenizer, "--training.dataset", dataset, "--training.steps", str(steps),
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--validation.enable", "false", "--checkpoint.enable", "false",
+        *shape, *run.overrides, "--job.dump_folder", str(folder),
+    ]
+
+
+def bare_loop(args: list[str], steps: int, warmup: int) -> float:
+    """Seconds per step of forward + backward + clip + AdamW on the trainer's model and batches."""
+    import torch
+    import torch.nn.functional as F
+
+    from titanlite.config import parse_args
+    from titanlite.data.dataset import build_dataloader
+    from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.models import model_args
+    from titanlite.models.llama import Transformer
+    from titanlite.optim import build_optimizer
+
+    config = parse_args(args)
+    t = config.training
+    tokenizer = build_tokenizer(config.model.tokenizer_path)
+    model = Transformer(model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, t.seq_len, config.model.n_layers))
+    model.init_weights(t.seed)
+    optimizer = build_optimizer(model.parameters(), config)
+    batches = [b for _, b in zip(range(steps), build_dataloader(config, tokenizer, 0, 1))]
+    start = 0.0
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            start = time.perf_counter()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return (time.perf_counter() - start) / (len(batches) - warmup)
+
+
+def device_description() -> dict:
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU {platform.processor() or platform.machine()}"
+    return {"device": device, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def cpu_inputs(out: Path) -> tuple[str, str]:
+    """The CPU runs' tokenizer (a 2048-token BPE of the built-in corpus, made once) and dataset."""
+    path = out / "tokenizer-2048" / "tokenizer.json"
+    if not path.exists():
+        from titanlite.data.corpus import read_texts, shakespeare_files
+        from titanlite.data.tokenizer import train_bpe
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        train_bpe(list(read_texts(shakespeare_files()["train"])), 2048).save(str(path))
+    return str(path), "shakespeare"
+
+
+def summarize(run: Run, rows: list[dict], warmup: int) -> dict:
+    steady = rows[warmup:]
+
+    def mean(key):
+        return sum(r[key] for r in steady) / len(steady)
+
+    return {
+        "name": run.name, "nproc": run.nproc, "overrides": " ".join(run.overrides),
+        "tps_per_device": mean("tps"), "tps_total": mean("tps") * run.nproc, "tflops": mean("tflops"), "mfu": mean("mfu"),
+        "peak_memory_gib": max(r["memory_gib"] for r in rows), "step_time_s": mean("step_time_s"),
+        "data_share": mean("data_share"), "final_loss": rows[-1]["loss"],
+    }
+
+
+COLUMNS = ["name", "nproc", "tps_per_device", "tps_total", "tflops", "mfu", "peak_memory_gib", "step_time_s", "data_share",
+           "overhead_pct"]
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in results:
+        cells = [f"{r[c]:,.3f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    names = [r["name"] for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    left.bar(names, [r["tps_per_device"] for r in results], color="tab:blue")
+    left.set_ylabel("tokens/s per device")
+    right.bar(names, [r["mfu"] for r in results], color="tab:orange")
+    right.set_ylabel("MFU %")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--only", nargs="*", help="run only these names of the preset")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the averages (compile, allocator)")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark")
+    parser.add_argument("--bare-loop", help=argparse.SUPPRESS)  # internal: JSON args of one bare-loop measurement
+    args = parser.parse_args()
+    if args.bare_loop:
+        spec = json.loads(args.bare_loop)
+        print(json.dumps({"bare_step_time_s": bare_loop(spec["args"], spec["steps"], spec["warmup"])}))
+        return
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+
+    shape, threads, runs = PRESETS[args.preset]
+    runs = [r for r in runs if not args.only or r.name in args.only]
+    tokenizer, dataset = cpu_inputs(args.out) if args.preset != "gpu" else ("byte", "shakespeare")
+    about = device_description() | {"preset": args.preset, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results = []
+    for i, run in enumerate(runs, 1):
+        folder = args.out / args.preset / run.name
+        print(f"[{i}/{len(runs)}] {run.name}: {run.nproc} process(es) {' '.join(run.overrides)}", flush=True)
+        targs = trainer_args(shape, run, tokenizer, dataset, args.steps, folder)
+        # threads: the CPU's cores split over the ranks (2 cores: 2 for one rank, 1 each for more).
+        per_rank = max(1, threads // run.nproc) if threads else None
+        run_trainer(run.nproc, targs, per_rank, log=folder / "train.log")
+        row = about | summarize(run, read_metrics(folder), args.warmup)
+        if run.bare:
+            spec = json.dumps({"args": targs, "steps": args.steps, "warmup": args.warmup})
+            env_threads = {"OMP_NUM_THREADS": str(per_rank)} if per_rank else {}
+            out = subprocess.run([sys.executable, __file__, "--bare-loop", spec], capture_output=True, text=True,
+                                 env=os.environ | env_threads, check=True)
+            row["bare_step_time_s"] = json.loads(out.stdout.strip().splitlines()[-1])["bare_step_time_s"]
+            row["overhead_pct"] = 100 * (row["step_time_s"] / row["bare_step_time_s"] - 1)
+        print(f"    {row['tps_per_device']:,.0f} tokens/s per device, MFU {row['mfu']:.2f}%, "
+              f"peak {row['peak_memory_gib']:.2f} GiB" + (f", overhead {row['overhead_pct']:+.1f}%" if run.bare else ""),
+              flush=True)
+        results.append(row)
+        with open(args.out / "results.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    every = [json.loads(line) for line in open(args.out / "results.jsonl")]
+    with open(args.out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in every for k in r}))
+        writer.writeheader()
+        writer.writerows(every)
+    print(f"\n{about['device']}, torch {about['torch']}, preset {args.preset}, {args.steps} steps ({args.warmup} warm-up)\n")
+    print(table(results))
+    plot(results, args.out / f"results_{args.preset}.png", f"titanlite {args.preset} preset on {about['device']}")
+
+
+if __name__ == "__main__":
+    main()

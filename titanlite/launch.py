@@ -1,0 +1,48 @@
+"""Run the real trainer under torchrun from a script, read its metrics, draw figures: shared by
+scripts/benchmark.py and scripts/loss_compare.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_trainer(nproc: int, args: list[str], threads_per_rank: int | None = None, log: Path | None = None) -> None:
+    """torchrun --standalone -m titanlite.train ARGS; rank 0's output goes to `log` (or the console).
+    Raises with the log's tail if the run fails."""
+    env = dict(os.environ)
+    if threads_per_rank:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--local-ranks-filter=0", "-m", "titanlite.train", *args]
+    if log is None:
+        result = subprocess.run(cmd, env=env)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            result = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        tail = log.read_text()[-3000:] if log else ""
+        raise RuntimeError(f"trainer failed (exit {result.returncode}): {' '.join(cmd)}\n{tail}")
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    """The training rows (those with a loss) of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in open(Path(folder) / "metrics.jsonl")]
+    return [r for r in rows if "loss" in r]
+
+
+def pyplot():
+    """matplotlib's pyplot without a display, or None (with a note) when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: no plot written; pip install matplotlib (or titanlite[plots]) to get one", flush=True)
+        return None
+    return plt
