@@ -126,6 +126,22 @@ def cpu_inputs(out: Path) -> tuple[str, str]:
     return str(path), "shakespeare"
 
 
+def gpu_inputs(out: Path) -> tuple[str, str]:
+    """Byte tokens of seeded random text: speed does not depend on the words, and a GPU machine
+    without network cannot build the built-in corpus."""
+    import random
+
+    path = out / "random_text.jsonl"
+    if not path.exists():
+        rng = random.Random(0)
+        words = [bytes(rng.choices(range(97, 123), k=rng.randint(2, 9))).decode() for _ in range(5000)]
+        out.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for _ in range(2000):
+                f.write(json.dumps({"text": " ".join(rng.choices(words, k=3000))}) + "\n")
+    return "byte", str(path)
+
+
 def summarize(run: Run, rows: list[dict], warmup: int) -> dict:
     steady = rows[warmup:]
 
@@ -188,7 +204,7 @@ def main() -> None:
 
     shape, threads, runs = PRESETS[args.preset]
     runs = [r for r in runs if not args.only or r.name in args.only]
-    tokenizer, dataset = cpu_inputs(args.out) if args.preset != "gpu" else ("byte", "shakespeare")
+    tokenizer, dataset = gpu_inputs(args.out) if args.preset == "gpu" else cpu_inputs(args.out)
     about = device_description() | {"preset": args.preset, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     results = []
     for i, run in enumerate(runs, 1):

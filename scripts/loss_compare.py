@@ -61,10 +61,12 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
         return
     baseline_label, baseline = next(iter(curves.items()))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    colors = {}
     for label, curve in curves.items():
-        top.plot(range(1, len(curve) + 1), curve, label=label, linewidth=1)
+        (line,) = top.plot(range(1, len(curve) + 1), curve, label=label, linewidth=1)
+        colors[label] = line.get_color()
     for label, curve in list(curves.items())[1:]:
-        bottom.plot(range(1, len(curve) + 1), [a - b for a, b in zip(curve, baseline)], label=label, linewidth=1)
+        bottom.plot(range(1, len(curve) + 1), [a - b for a, b in zip(curve, baseline)], color=colors[label], linewidth=1)
     top.set_ylabel("training loss")
     top.legend()
     bottom.set_ylabel(f"loss - {baseline_label}")

@@ -93,9 +93,12 @@ def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):
         assert abs(losses(tmp_path / name)[4] - expected) < 1e-5, (name, losses(tmp_path / name), expected)
 
 
-def test_async_save_resumes_exactly(corpus_jsonl, tmp_path):
-    args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps), "--checkpoint.interval", "3",
-                                            "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2")
+def test_async_save_of_a_float8_fsdp_run_resumes_exactly(corpus_jsonl, tmp_path):
+    """Also: float8 all-gather weights (a tensor subclass) are saved as plain tensors and restored."""
+    float8 = ["--float8.enable", "--float8.emulate", "--float8.enable_fsdp_float8_all_gather"]
+    args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, *float8, "--training.steps", str(steps),
+                                            "--checkpoint.interval", "3", "--checkpoint.async_mode", "async",
+                                            "--checkpoint.keep_latest_k", "2")
     torchrun(2, args(tmp_path / "straight", 8))
     out = torchrun(2, args(tmp_path / "async", 6))
     assert "async save started" in out.stdout and "async save complete" in out.stdout

@@ -8,10 +8,16 @@ compiled TP block fails in backward in torch 2.13 (its compiled backward returns
 as the gradient of its DTensor input, and the eager redistribute in front of the block fails on
 it: "'Tensor' object has no attribute '_local_tensor'"), with or without sequence parallel,
 loss parallel and fullgraph. The two halves compile and train exactly like eager.
+
+Graphs that hold collectives (TP's, CP's ring) skip torch's on-disk AOTAutograd cache: in torch
+2.13 a graph loaded from it by a later process gave wrong losses (1.6 off after one step) or
+failed with "Could not resolve the process group registered under the name ...": the cached
+graph names process groups of the process that wrote it.
 """
 
 from __future__ import annotations
 
+import torch._functorch.config
 from torch import nn
 
 
@@ -20,8 +26,10 @@ def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
     return [inner.attention, inner.feed_forward] if tp_enabled else [block]
 
 
-def apply_compile(model: nn.Module, tp_enabled: bool) -> None:
+def apply_compile(model: nn.Module, tp_enabled: bool, collectives_in_graph: bool) -> None:
     """Compile in place (`Module.compile`), so parameter names and checkpoints do not change."""
+    if collectives_in_graph:
+        torch._functorch.config.enable_autograd_cache = False
     for block in model.layers.values():
         for unit in compile_units(block, tp_enabled):
             unit.compile(fullgraph=True)

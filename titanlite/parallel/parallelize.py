@@ -57,7 +57,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
         apply_ac(model, ac.mode, ac.selective_ac_option)
 
     if config.compile.enable and "model" in config.compile.components:
-        apply_compile(model, dims.tp_enabled)
+        apply_compile(model, dims.tp_enabled, collectives_in_graph=dims.tp_enabled or dims.cp_enabled)
 
     dtype = param_dtype(config, device_type)
     # FSDP also carries mixed precision, so a single device in bf16 gets it too.
