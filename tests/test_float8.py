@@ -111,7 +111,7 @@ def train_losses(recipes: list[str], dump_folder: str) -> dict:
         extra = [] if recipe == "none" else ["--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe]
         config = parse_args([
             "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-            "--job.dump_folder", f"{dump_folder}/{recipe}", "--training.steps", "30", "--training.seq_len", "64",
+            "--job.dump_folder", f"{dump_folder}/{recipe}", "--training.steps", "20", "--training.seq_len", "64",
             "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--metrics.peak_flops", "1e12", *extra,
         ])
@@ -123,11 +123,11 @@ def train_losses(recipes: list[str], dump_folder: str) -> dict:
 
 @pytest.mark.slow
 def test_float8_recipes_train_like_fp32_on_the_default_data(tmp_path):
-    """30 steps of the debug model on the built-in corpus (same batches for all): the mean loss of
-    the last 10 steps of each recipe is within 3% of fp32's (scripts/loss_compare.py runs the long
+    """20 steps of the debug model on the built-in corpus (same batches for all): the mean loss of
+    the last 5 steps of each recipe is within 3% of fp32's (scripts/loss_compare.py runs the long
     comparison and plots it)."""
     losses = run_distributed(train_losses, 1, ["none", *RECIPES], str(tmp_path))[0]
-    end = {recipe: sum(curve[-10:]) / 10 for recipe, curve in losses.items()}
+    end = {recipe: sum(curve[-5:]) / 5 for recipe, curve in losses.items()}
     assert end["none"] < losses["none"][0] - 1.5, losses["none"]  # it learned (starts near ln 8192 = 9.0)
     for recipe in RECIPES:
         assert losses[recipe] != losses["none"]  # float8 really rounded something
