@@ -116,7 +116,6 @@ class Float8Weight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         whole = func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or (
             func in (torch.ops.aten.as_strided.default, torch.ops.aten.view.default) and tuple(args[1]) == tuple(args[0].shape)
         )
