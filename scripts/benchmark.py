@@ -7,7 +7,8 @@
 Each run is a torchrun of `titanlite.train`; the steps after --warmup are averaged. One row per run
 is appended to OUT/results.jsonl (and OUT/results.csv rewritten); the table is printed and drawn
 to OUT/results.png. Runs with `bare=True` also time a bare loop (forward, backward, clip, AdamW)
-of the same model on the same batches in a fresh process, and report the trainer's overhead.
+of the same model on the same batches in a fresh process, and report the trainer's overhead (the
+median of --overhead-repeats trainer/bare pairs).
 """
 
 from __future__ import annotations
@@ -107,6 +108,24 @@ def bare_loop(args: list[str], steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / (len(batches) - warmup)
 
 
+def overhead(targs: list[str], first_step_time: float, run: Run, per_rank: int | None, args) -> dict:
+    """The trainer's step time over the bare loop's, as the median of --overhead-repeats pairs of
+    runs taken in turn (a shared machine drifts more between runs than the overhead is)."""
+    spec = json.dumps({"args": targs, "steps": args.steps, "warmup": args.warmup})
+    env = os.environ | ({"OMP_NUM_THREADS": str(per_rank)} if per_rank else {})
+    trainer_times, bare_times = [first_step_time], []
+    for repeat in range(args.overhead_repeats):
+        if repeat:
+            folder = args.out / args.preset / f"{run.name}_repeat{repeat}"
+            run_trainer(run.nproc, [*targs, "--job.dump_folder", str(folder)], per_rank, log=folder / "train.log")
+            trainer_times.append(summarize(run, read_metrics(folder), args.warmup)["step_time_s"])
+        out = subprocess.run([sys.executable, __file__, "--bare-loop", spec], capture_output=True, text=True, env=env, check=True)
+        bare_times.append(json.loads(out.stdout.strip().splitlines()[-1])["bare_step_time_s"])
+    ratios = sorted(t / b for t, b in zip(trainer_times, bare_times))
+    return {"bare_step_time_s": sorted(bare_times)[len(bare_times) // 2], "overhead_pct": 100 * (ratios[len(ratios) // 2] - 1),
+            "overhead_pct_each": [round(100 * (r - 1), 2) for r in ratios]}
+
+
 def device_description() -> dict:
     import torch
 
@@ -193,6 +212,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the averages (compile, allocator)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark")
+    parser.add_argument("--overhead-repeats", type=int, default=3, help="trainer/bare-loop pairs for the overhead")
     parser.add_argument("--bare-loop", help=argparse.SUPPRESS)  # internal: JSON args of one bare-loop measurement
     args = parser.parse_args()
     if args.bare_loop:
@@ -216,12 +236,7 @@ def main() -> None:
         run_trainer(run.nproc, targs, per_rank, log=folder / "train.log")
         row = about | summarize(run, read_metrics(folder), args.warmup)
         if run.bare:
-            spec = json.dumps({"args": targs, "steps": args.steps, "warmup": args.warmup})
-            env_threads = {"OMP_NUM_THREADS": str(per_rank)} if per_rank else {}
-            out = subprocess.run([sys.executable, __file__, "--bare-loop", spec], capture_output=True, text=True,
-                                 env=os.environ | env_threads, check=True)
-            row["bare_step_time_s"] = json.loads(out.stdout.strip().splitlines()[-1])["bare_step_time_s"]
-            row["overhead_pct"] = 100 * (row["step_time_s"] / row["bare_step_time_s"] - 1)
+            row |= overhead(targs, row["step_time_s"], run, per_rank, args)
         print(f"    {row['tps_per_device']:,.0f} tokens/s per device, MFU {row['mfu']:.2f}%, "
               f"peak {row['peak_memory_gib']:.2f} GiB" + (f", overhead {row['overhead_pct']:+.1f}%" if run.bare else ""),
               flush=True)
