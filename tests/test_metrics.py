@@ -6,7 +6,7 @@ import torch
 
 from titanlite.config import parse_args
 from titanlite.hardware import find_gpu
-from titanlite.metrics import MetricsLogger, power_source
+from titanlite.metrics import MetricsLogger, power_reader
 
 
 def test_row_has_mfu_and_cost_per_million_tokens(tmp_path):
@@ -31,4 +31,4 @@ def test_gpu_table_matches_device_names():
     assert find_gpu("NVIDIA H100 80GB HBM3").bf16_flops == 989e12
     assert find_gpu("NVIDIA GB200").name == "GB200" and find_gpu("NVIDIA B200").name == "B200"
     assert find_gpu("Some Future GPU") is None
-    assert power_source(torch.device("cpu")) is None
+    assert power_reader(torch.device("cpu")) is None

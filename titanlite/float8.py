@@ -75,6 +75,18 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (data.float() / scale).to(dtype)
 
 
+def global_tensorwise_scale(local: torch.Tensor, group) -> torch.Tensor:
+    """The e4m3 scale of a tensor sharded over `group`: from the amax of all its shards."""
+    amax = local.abs().amax().float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return scale_from_amax(amax, E4M3, power_of_2=False)
+
+
+def with_local(like: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor laid out like `like` whose local shard is `local` (no communication)."""
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
 def float8_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
     """(a / a_scale) @ (b / b_scale) for float8 a (M, K) and b (K, N)."""
     if emulate:
@@ -164,10 +176,7 @@ class _DequantizeTPShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: DTensor):
         local = weight._local_tensor
-        return DTensor.from_local(
-            dequantize(local._data, local._scale, local.dtype), weight.device_mesh, weight.placements,
-            run_check=False, shape=weight.shape, stride=weight.stride(),
-        )
+        return with_local(weight, dequantize(local._data, local._scale, local.dtype))
 
     @staticmethod
     def backward(ctx, grad: DTensor):
@@ -255,10 +264,8 @@ class Float8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         scale = self.precomputed_scale
-        if scale is None:  # this shard's amax, maxed over the shards of the weight
-            amax = self._data.abs().amax().float()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-            scale = scale_from_amax(amax, E4M3, power_of_2=False)
+        if scale is None:
+            scale = global_tensorwise_scale(self._data, mesh.get_group())
         return (to_float8(self._data, scale, E4M3).view(torch.uint8),), (scale,)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -273,7 +280,7 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """The high-precision values of a float8 all-gather weight (sharing storage): checkpoints hold
     plain tensors, loadable without float8."""
     if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8AllGatherWeight):
-        return DTensor.from_local(t._local_tensor._data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+        return with_local(t, t._local_tensor._data)
     return t._data if isinstance(t, Float8AllGatherWeight) else t
 
 
@@ -283,10 +290,7 @@ def enable_float8_all_gather(model: nn.Module) -> None:
         if isinstance(module, Float8Linear):
             w = module.weight
             if isinstance(w, DTensor):  # tensor parallel: the local shard gathers in float8
-                wrapped = DTensor.from_local(
-                    Float8AllGatherWeight(w.to_local()), w.device_mesh, w.placements, run_check=False,
-                    shape=w.shape, stride=w.stride(),
-                )
+                wrapped = with_local(w, Float8AllGatherWeight(w.to_local()))
             else:
                 wrapped = Float8AllGatherWeight(w.data)
             module.weight = nn.Parameter(wrapped, requires_grad=w.requires_grad)
@@ -324,9 +328,7 @@ class _Float8SequenceAllGather(torch.autograd.Function):
         mesh, group = x.device_mesh, x.device_mesh.get_group()
         ctx.mesh, ctx.placements = mesh, x.placements
         local = x.to_local()
-        amax = local.abs().amax().float()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        scale = scale_from_amax(amax, E4M3, power_of_2=False)
+        scale = global_tensorwise_scale(local, group)
         gathered = _all_gather_dim1(to_float8(local, scale, E4M3).view(torch.uint8), group).view(E4M3)
         return DTensor.from_local(dequantize(gathered, scale, local.dtype), mesh, [Replicate()], run_check=False)
 

@@ -10,11 +10,13 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from titanlite.hardware import find_gpu
+
 
 def peak_flops(device: torch.device, configured: float) -> tuple[float, str]:
     """(peak FLOP/s per device, how it was obtained) for the MFU denominator."""
@@ -42,23 +44,17 @@ def measure_cpu_flops(n: int = 512, seconds: float = 0.3) -> float:
     return best
 
 
-def power_source(device: torch.device) -> str | None:
-    """How device power is known: 'NVML' readings, a 'TDP estimate', or None (CPU: not measured)."""
+def power_reader(device: torch.device) -> tuple[str, Callable[[], float]] | None:
+    """(how device power is known, a function returning watts): 'NVML' readings, or the board's
+    TDP as an estimate; None where neither exists (CPU: not measured)."""
     if device.type != "cuda":
         return None
     try:
         torch.cuda.power_draw(device)
-        return "NVML"
+        return "NVML", lambda: torch.cuda.power_draw(device) / 1000  # milliwatts
     except Exception:  # no pynvml / amdsmi, or the driver refuses: fall back to the board's TDP
-        return "TDP estimate" if find_gpu(torch.cuda.get_device_name(device)) else None
-
-
-def power_watts(device: torch.device, source: str | None) -> float | None:
-    if source == "NVML":
-        return torch.cuda.power_draw(device) / 1000  # milliwatts
-    if source == "TDP estimate":
-        return find_gpu(torch.cuda.get_device_name(device)).tdp_watts
-    return None
+        gpu = find_gpu(torch.cuda.get_device_name(device))
+        return ("TDP estimate", lambda: gpu.tdp_watts) if gpu else None
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -79,7 +75,7 @@ class MetricsLogger:
         self.device, self.flops_per_token, self.tokens_divisor = device, flops_per_token, tokens_divisor
         self.peak, self.peak_source = peak_flops(device, m.peak_flops)
         self.gpu_hour_cost = m.gpu_hour_cost
-        self.power_source = power_source(device)
+        self.power = power_reader(device)
         self.folder = Path(config.job.dump_folder)
         self.writes_files, self.tensorboard = writes_files, m.enable_tensorboard
         self.tb_folder = self.folder / m.save_tb_folder / time.strftime("%Y%m%d-%H%M%S")
@@ -132,8 +128,8 @@ class MetricsLogger:
         if self.gpu_hour_cost > 0:  # device-hours per million tokens x price
             row["usd_per_mtok"] = self.gpu_hour_cost * 1e6 / (tps * 3600)
             costs += f" | ${row['usd_per_mtok']:.3f}/Mtok"
-        watts = power_watts(self.device, self.power_source)
-        if watts is not None:
+        if self.power is not None:
+            watts = self.power[1]()
             row["power_w"], row["joules_per_token"] = watts, watts / tps
             costs += f" | {row['joules_per_token']:.3f} J/tok"
         print(

@@ -274,7 +274,7 @@ class Trainer:
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; layout {self.dims.describe()}; "
             f"{self.accumulation_steps} microbatch(es)/step; MFU peak {self.metrics.peak / 1e12:.2f} TFLOP/s "
             f"({self.metrics.peak_source}); device {self.device}"
-            + (f"; J/token from power by {self.metrics.power_source}" if self.metrics.power_source else "")
+            + (f"; J/token from power by {self.metrics.power[0]}" if self.metrics.power else "")
         )
         f8 = self.config.float8
         if f8.enable:
