@@ -26,8 +26,8 @@ COMM_MODE=${COMM_MODE:-}
 # CPU runs: one thread per process unless the user says otherwise (ranks share the cores).
 if [ "$NGPU" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 
-# Check the config (and --help) before starting any process: a bad key fails here in one line.
-WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.config --job.config_file "$CONFIG_FILE" "$@"
+# Check the config (and --help) before starting any process: bad input fails here in one line.
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --job.config_file "$CONFIG_FILE" "$@"
 for arg in "$@"; do case "$arg" in -h|--help) exit 0 ;; esac; done
 
 if [ "$COMM_MODE" = "fake_backend" ]; then
@@ -42,6 +42,7 @@ else
     RENDEZVOUS=(--standalone)
 fi
 
-exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" --max-restarts "${MAX_RESTARTS:-0}" \
+# titanlite.torchrun is torchrun that shows a failed rank's one-line error instead of its traceback.
+exec "$PYTHON" -m titanlite.torchrun "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" --max-restarts "${MAX_RESTARTS:-0}" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m titanlite.train --job.config_file "$CONFIG_FILE" "$@"

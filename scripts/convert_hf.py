@@ -9,25 +9,28 @@ tokenizer files next to them yourself). from-hf writes a DCP checkpoint to start
 """
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titanlite.checkpoint import read_tensor_metadata
+from titanlite.config import ConfigError
 from titanlite.hf import load_hf, save_hf
 from titanlite.models.args import LLAMA3_FLAVORS
 
 
 def read_model(checkpoint: Path) -> dict:
     """The model weights of a DCP checkpoint as full tensors (any layout saved them)."""
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    reader, metadata = read_tensor_metadata(checkpoint, {"model"})
     state = {
         key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
         for key, m in metadata.items()
         if key.startswith("model.")
     }
-    dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
     return state
 
 
@@ -61,7 +64,11 @@ def main() -> None:
     back.add_argument("hf_folder", type=Path)
     back.add_argument("out", type=Path)
     args = parser.parse_args()
-    to_hf(args) if args.command == "to-hf" else from_hf(args)
+    try:
+        to_hf(args) if args.command == "to-hf" else from_hf(args)
+    except ConfigError as e:
+        print(f"convert_hf: {e}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_saved_config_round_trips(tmp_path):
 
 
 def test_help_lists_every_key():
-    out = subprocess.run([sys.executable, "-m", "titanlite.config", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "titanlite.preflight", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for section, values in JobConfig().to_dict().items():
         for key in values:
@@ -106,7 +106,7 @@ def test_help_lists_every_key():
 
 def test_config_check_exits_2_with_one_line():
     out = subprocess.run(
-        [sys.executable, "-m", "titanlite.config", "--parallelism.tensor_parallel_degree", "3"],
+        [sys.executable, "-m", "titanlite.preflight", "--parallelism.tensor_parallel_degree", "3"],
         capture_output=True, text=True, env={"WORLD_SIZE": "4", "PATH": ""},
     )
     assert out.returncode == 2

@@ -7,6 +7,8 @@ name (so any layout can load it):
   train.*        step, tokens seen, lr-schedule position, RNG states
   dataloader.dp<r>.state   each data-parallel rank's loader state, as JSON in a uint8 tensor
 Only tensors are stored, and loading refuses anything else: DCP would unpickle non-tensor items.
+DCP's `.metadata` file is itself a pickle; it is read with an allow-list unpickler that accepts
+DCP's metadata classes and nothing else, so loading a crafted checkpoint cannot run code.
 
 Atomic: ranks write into `step-N.tmp`; rank 0 renames it to `step-N` once the whole save is done,
 so a crash mid-save leaves the previous checkpoint as the latest complete one.
@@ -14,10 +16,14 @@ so a crash mid-save leaves the previous checkpoint as the latest complete one.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import importlib
 import json
-import re
+import pickle
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,11 +38,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import plain_tensor
 from titanlite.metrics import log_line
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTS = ("model", "optimizer", "train", "dataloader")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,12 +55,70 @@ def tensor_json(t: torch.Tensor):
     return json.loads(bytes(t.tolist()).decode())
 
 
-def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete checkpoint (renamed from .tmp and holding DCP's metadata), oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = [int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").exists()]
-    return sorted(steps)
+# Module -> names a DCP metadata pickle may reference (beyond the dataclasses and enums of DCP's
+# metadata modules, and torch dtypes).
+METADATA_GLOBALS = {
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" or module in DCP_METADATA_MODULES:
+            value = getattr(importlib.import_module(module), name, None)
+            is_metadata_class = isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+            if isinstance(value, torch.dtype) or (module in DCP_METADATA_MODULES and is_metadata_class):
+                return value
+        raise pickle.UnpicklingError(f"it references {module}.{name}")
+
+
+def check_metadata(folder: Path) -> None:
+    """Unpickle `folder/.metadata` with the allow-list; ConfigError naming the file if it references
+    anything else (a crafted file could run code through pickle)."""
+    path = Path(folder) / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint path '{folder}' holds no complete DCP checkpoint (no .metadata)")
+    except (pickle.UnpicklingError, AttributeError, ImportError, EOFError, ValueError, TypeError) as e:
+        raise ConfigError(
+            f"checkpoint metadata '{path}' is not plain DCP metadata ({e}); refusing to load it, since unpickling "
+            "it could run code. Use a checkpoint written by torch.distributed.checkpoint"
+        )
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, which checks the metadata pickle with the allow-list before DCP loads it."""
+
+    def read_metadata(self, *args, **kwargs):
+        check_metadata(Path(self.path))
+        return super().read_metadata(*args, **kwargs)
+
+
+def read_tensor_metadata(path: Path, parts) -> tuple[SafeFileSystemReader, dict]:
+    """(a safe reader of checkpoint `path`, its entries' metadata); ConfigError for an entry under
+    one of `parts` that is not a tensor, since DCP would unpickle it."""
+    reader = SafeFileSystemReader(str(path))
+    metadata = reader.read_metadata().state_dict_metadata
+    for key, m in metadata.items():
+        if key.split(".", 1)[0] in parts and not isinstance(m, TensorStorageMetadata):
+            raise ConfigError(f"checkpoint '{path}' entry '{key}' is not a tensor; refusing to unpickle it")
+    return reader, metadata
+
+
+def discard(folder: Path) -> None:
+    """Remove a checkpoint folder: renamed first (atomic), so a crash during the removal never leaves
+    a half-deleted folder that still looks complete."""
+    trash = folder.with_name(folder.name + ".deleting")
+    folder.rename(trash)
+    shutil.rmtree(trash)
 
 
 def model_state(parts, export_dtype: torch.dtype | None = None) -> dict:
@@ -82,12 +146,24 @@ def tensors_only(optimizer_sd: dict) -> dict:
 
 class Checkpointer:
     def __init__(self, config: JobConfig, trainer):
-        self.c, self.trainer = config.checkpoint, trainer
-        self.folder = Path(config.job.dump_folder) / self.c.folder
+        self.config, self.c, self.trainer = config, config.checkpoint, trainer
+        self.folder = checkpoint_folder(config)
         self.is_coordinator = dist.get_rank() == 0
         self.pending = None  # (future, tmp folder, final folder) of an async save in flight
         # Async saves get their own gloo group: sharing the training group corrupts its collectives.
-        self.async_group = dist.new_group(backend="gloo") if self.c.enable and self.c.async_mode != "disabled" else None
+        # Its own timeout, too: the collective timeout set after the first step is for training.
+        self.async_group = None
+        if self.c.enable and self.c.async_mode != "disabled":
+            self.async_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.checkpoint_timeout_seconds))
+        if self.c.enable and self.is_coordinator:
+            self.remove_unfinished()
+
+    def remove_unfinished(self) -> None:
+        """Saves and removals that a crash cut short are never loaded: free their space."""
+        if self.folder.is_dir():
+            for path in self.folder.iterdir():
+                if UNFINISHED_DIR.match(path.name):
+                    shutil.rmtree(path, ignore_errors=True)
 
     # ---- what is saved ----
 
@@ -100,6 +176,7 @@ class Checkpointer:
             "step": torch.tensor(t.step),
             "tokens_seen": torch.tensor(t.tokens_seen),
             "lr_schedule_step": torch.tensor(t.lr_schedulers[0].last_epoch),
+            "skipped_steps": torch.tensor(t.skipped_steps),
             "rng_cpu": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -153,12 +230,12 @@ class Checkpointer:
         """Make a fully written checkpoint visible (atomic rename), then drop the oldest ones."""
         if not self.is_coordinator:
             return
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # the same step saved again (e.g. a model-only last save)
+            discard(final)
         tmp.rename(final)
         if self.c.keep_latest_k > 0:
             for step in complete_steps(self.folder)[: -self.c.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+                discard(self.folder / f"step-{step}")
 
     def finalize_if_done(self) -> None:
         if self.pending is not None and self.pending[0].done():
@@ -177,34 +254,18 @@ class Checkpointer:
 
     def load(self) -> bool:
         """Resume from the latest complete checkpoint (or `load_step`), else from `initial_load_path`."""
-        c = self.c
-        steps = complete_steps(self.folder) if c.enable else []
-        if c.load_step >= 0:
-            if c.load_step not in steps:
-                raise ConfigError(f"checkpoint.load_step={c.load_step} has no complete checkpoint in {self.folder}; found {steps}")
-            path, parts = self.folder / f"step-{c.load_step}", set(PARTS)
-        elif steps:
-            path, parts = self.folder / f"step-{steps[-1]}", set(PARTS)
-        elif c.initial_load_path:
-            path = Path(c.initial_load_path)
-            parts = {"model"} if c.initial_load_model_only else set(PARTS)
-        else:
+        found = checkpoint_to_load(self.config)
+        if found is None:
             return False
-        self.load_from(path, parts - set(c.exclude_from_loading))
+        path, own = found
+        parts = {"model"} if not own and self.c.initial_load_model_only else set(PARTS)
+        self.load_from(path, parts - set(self.c.exclude_from_loading))
         return True
 
     def load_from(self, path: Path, parts: set[str]) -> None:
         t = self.trainer
-        reader = dcp.FileSystemReader(str(path))
-        try:
-            metadata = reader.read_metadata().state_dict_metadata
-        except FileNotFoundError:
-            raise ConfigError(f"checkpoint path '{path}' holds no complete DCP checkpoint (no .metadata)")
-        saved = {key.split(".", 1)[0] for key in metadata}
-        parts &= saved  # a model-only checkpoint resumes the weights only
-        for key, m in metadata.items():
-            if key.split(".", 1)[0] in parts and not isinstance(m, TensorStorageMetadata):
-                raise ConfigError(f"checkpoint '{path}' entry '{key}' is not a tensor; refusing to unpickle it")
+        reader, metadata = read_tensor_metadata(path, parts)
+        parts &= {key.split(".", 1)[0] for key in metadata}  # a model-only checkpoint resumes the weights only
         state = {}
         if "model" in parts:
             state["model"] = model_state(t.model_parts)
@@ -226,7 +287,7 @@ class Checkpointer:
         for key in _flatten_keys(state):
             if not isinstance(metadata.get(key), TensorStorageMetadata):
                 raise ConfigError(f"checkpoint '{path}' has no entry '{key}'; it was not written by this titanlite")
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=reader)
 
         if "model" in state:
             for part in t.model_parts:
@@ -239,6 +300,7 @@ class Checkpointer:
         if "train" in state:
             s = state["train"]
             t.step, t.tokens_seen = int(s["step"]), int(s["tokens_seen"])
+            t.skipped_steps = int(s.get("skipped_steps", 0))  # older checkpoints lack it
             for scheduler in t.lr_schedulers:
                 scheduler.last_epoch = int(s["lr_schedule_step"])
                 for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):

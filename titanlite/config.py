@@ -2,7 +2,8 @@
 
 Precedence: CLI `--section.key value` > TOML file (`--job.config_file`) > dataclass defaults.
 Bad input raises ConfigError, which the entry points turn into one line on stderr and exit code 2.
-This module imports no torch, so `run_train.sh` can check a config before it starts torchrun.
+This module imports no torch, so `run_train.sh` can check a config (titanlite/preflight.py) before
+it starts torchrun.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ class Training:
     seq_len: int = opt(2048, "tokens per sequence")
     max_norm: float = opt(1.0, "gradient-norm clipping threshold; <= 0 disables clipping")
     steps: int = opt(10000, "optimizer steps to train")
-    seed: int = opt(42, "seed for weights and data order")
+    seed: int = opt(
+        42, "seed of the initial weights and of torch's RNG; the data order is the dataset's own (not shuffled)"
+    )
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
     mixed_precision_param: str = opt(
         "auto",
@@ -116,6 +119,10 @@ class Training:
         "float32", "dtype of gradient reductions", choices=("float32", "bfloat16")
     )
     gc_freq: int = opt(50, "run Python garbage collection every N steps (automatic GC is off while training)")
+    skip_nonfinite_steps: bool = opt(
+        False, "skip an optimizer step whose grad norm is NaN or Inf (logged and counted) instead of stopping the run"
+    )
+    max_skipped_steps: int = opt(10, "with skip_nonfinite_steps: stop the run once more steps than this were skipped")
 
 
 @dataclass
@@ -225,6 +232,9 @@ class Profiling:
 class Comm:
     init_timeout_seconds: int = opt(300, "timeout of collectives until the first step is done")
     train_timeout_seconds: int = opt(100, "timeout of collectives after the first step (catches hangs sooner)")
+    checkpoint_timeout_seconds: int = opt(
+        1800, "timeout of the async checkpoint's collectives (writing large shards in the background takes long)"
+    )
 
 
 @dataclass
@@ -488,9 +498,10 @@ def validate(config: JobConfig) -> None:
             part in ("model", "optimizer", "train", "dataloader"),
             f"checkpoint.exclude_from_loading has '{part}'; allowed: model, optimizer, train, dataloader",
         )
+    _require(t.max_skipped_steps >= 0, f"training.max_skipped_steps={t.max_skipped_steps} must be >= 0")
     _require(config.checkpoint.keep_latest_k >= 0, f"checkpoint.keep_latest_k={config.checkpoint.keep_latest_k} must be >= 0")
     _require(config.profiling.profile_freq >= 2, f"profiling.profile_freq={config.profiling.profile_freq} must be >= 2")
-    for name in ("init_timeout_seconds", "train_timeout_seconds"):
+    for name in ("init_timeout_seconds", "train_timeout_seconds", "checkpoint_timeout_seconds"):
         value = getattr(config.comm, name)
         _require(value >= 1, f"comm.{name}={value} must be >= 1")
     sac = config.activation_checkpoint.selective_ac_option
@@ -517,32 +528,3 @@ def help_text() -> str:
             lines.append(f"  --{section}.{key} = {_toml_value(default) if default is not None else 'none'}")
             lines.append(f"      {f.metadata['help']}{extra}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m titanlite.config ...`: check a config without starting training (used by run_train.sh)."""
-    import os
-
-    try:
-        config = parse_args(argv)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        from titanlite.models import model_args
-        from titanlite.parallel.dims import ParallelDims
-
-        dims = ParallelDims.from_config(config, world_size)
-        args = model_args(config.model.name, config.model.flavor, 0, config.training.seq_len, config.model.n_layers)
-        dims.check_model(args.n_heads, args.n_kv_heads)
-        if dims.pp_enabled:  # imports torch, so only when there is a pipeline to check
-            from titanlite.parallel.pipeline import plan_stages
-
-            plan_stages(config, args.n_layers, dims.pp, pp_rank=0)
-    except ConfigError as e:
-        print(f"titanlite: config error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-if __name__ == "__main__":
-    # Re-import so ConfigError is the same class the other modules raise (not __main__.ConfigError).
-    from titanlite.config import main as check_config
-
-    check_config()

@@ -106,7 +106,9 @@ class MetricsLogger:
         self.data_seconds += data_seconds
         self.steps += 1
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int) -> dict:
+    def log(
+        self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int, skipped_steps: int | None = None
+    ) -> dict:
         seconds = time.perf_counter() - self.window_start
         tps = self.tokens / seconds / self.tokens_divisor
         tflops = self.flops_per_token * tps / 1e12
@@ -125,6 +127,9 @@ class MetricsLogger:
             "elapsed_s": time.perf_counter() - self.start,
         }
         costs = ""
+        if skipped_steps is not None:  # training.skip_nonfinite_steps: steps skipped so far
+            row["skipped_steps"] = skipped_steps
+            costs += f" | skipped {skipped_steps}"
         if self.gpu_hour_cost > 0:  # device-hours per million tokens x price
             row["usd_per_mtok"] = self.gpu_hour_cost * 1e6 / (tps * 3600)
             costs += f" | ${row['usd_per_mtok']:.3f}/Mtok"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.config import JobConfig
 
@@ -53,6 +54,28 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> t
         return lr_factor(step, steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def reduce_partial_grads(params) -> None:
+    """Sum gradients that are still pending sums over a mesh dim (`Partial`), once, in one all-reduce
+    per mesh and placement. Under tensor parallel without FSDP, sequence-parallel norm weights are
+    replicated and their gradients arrive Partial over tp; left so, the grad norm and the optimizer
+    step would each all-reduce them."""
+    pending = defaultdict(list)
+    for p in params:
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            pending[(p.grad.device_mesh, p.grad.placements)].append(p)
+    for (mesh, placements), group in pending.items():
+        locals_ = [p.grad.to_local() for p in group]
+        flat = DTensor.from_local(torch.cat([g.flatten() for g in locals_]), mesh, placements, run_check=False)
+        summed = flat.redistribute(mesh, summed_placements(placements)).to_local()
+        for p, local, piece in zip(group, locals_, summed.split([g.numel() for g in locals_])):
+            p.grad = DTensor.from_local(piece.view_as(local), mesh, summed_placements(placements), run_check=False)
+
+
+def summed_placements(placements) -> tuple:
+    return tuple(Replicate() if pl.is_partial() else pl for pl in placements)
 
 
 @torch.no_grad()

@@ -29,12 +29,13 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import Float8Linear, precompute_float8_scales
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import build_model, model_args
-from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
-from titanlite.parallel.pipeline import build_schedule, pipeline_stages
+from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
 from titanlite.profiling import Profiler
+from titanlite.torchrun import write_error
 
 IGNORE_INDEX = -100
 
@@ -70,11 +71,13 @@ def init_distributed(dry_run: bool, init_timeout: int = 300) -> torch.device:
     return device
 
 
-def set_collective_timeout(seconds: int) -> None:
-    """After the first step (compilation, data setup done), a hang should fail fast."""
+def set_collective_timeout(seconds: int, keep=()) -> None:
+    """After the first step (compilation, data setup done), a hang should fail fast. Groups in `keep`
+    hold their own timeout (the async checkpoint's, whose writes of large shards take long)."""
     dist.barrier()
     for group in [None, *dist.distributed_c10d._world.pg_map]:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        if group not in keep:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -139,16 +142,9 @@ class Trainer:
         batch_mesh = self.dims.get_mesh("batch")
         self.dp_rank, self.dp_degree = batch_mesh.get_local_rank(), batch_mesh.size()
         self.batch_group, self.loss_group = batch_mesh.get_group(), self.dims.get_mesh("loss").get_group()
-        per_step = t.local_batch_size * self.dp_degree
-        global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
-        if global_batch % per_step:
-            raise ConfigError(
-                f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x dp "
-                f"= {t.local_batch_size} x {self.dp_degree}; use a multiple of {per_step}"
-            )
-        self.accumulation_steps = global_batch // per_step
+        self.accumulation_steps = self.dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
         self.dataloader = build_dataloader(config, self.tokenizer, self.dp_rank, self.dp_degree)
-        self.step, self.tokens_seen = 0, 0
+        self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.metrics = MetricsLogger(
             config,
             device,
@@ -197,15 +193,22 @@ class Trainer:
             args = (inputs,) if self.has_first_stage else ()
             losses = [] if self.has_last_stage else None
             target = labels if self.has_last_stage else None
-            run = self.pp_schedule.step if backward else self.pp_schedule.eval
-            run(*args, target=target, losses=losses)
+            if backward:
+                self.pp_schedule.step(*args, target=target, losses=losses)
+            else:
+                with forward_only(self.pp_schedule):
+                    self.pp_schedule.eval(*args, target=target, losses=losses)
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over the microbatches. Returns (global mean loss, grad norm)."""
         loss = self.compute_gradients(microbatches)
-        grad_norm = self.apply_gradients()
-        return loss, grad_norm
+        if not math.isfinite(loss) and not self.config.training.skip_nonfinite_steps:
+            raise TrainingDiverged(
+                f"loss is {loss} at step {self.step}; training stopped. Lower optimizer.lr, raise "
+                "lr_scheduler.warmup_steps or check the data"
+            )
+        return loss, self.apply_gradients()
 
     def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward/backward every microbatch; returns the global mean loss over all ranks' tokens."""
@@ -233,13 +236,37 @@ class Trainer:
         return loss
 
     def apply_gradients(self) -> float:
-        """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm."""
-        grad_norm = clip_grad_norm_(self.parameters(), self.config.training.max_norm, self.pp_group)
+        """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm. A grad
+        norm that is not finite stops the run, or with training.skip_nonfinite_steps skips the step."""
+        params = self.parameters()
+        reduce_partial_grads(params)
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, self.pp_group).item()
+        finite = math.isfinite(grad_norm)
         for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
-            opt.step()
-            scheduler.step()
+            if finite:
+                opt.step()
+                scheduler.step()
             opt.zero_grad(set_to_none=True)
-        return grad_norm.item()
+        if not finite:
+            self.skip_step(grad_norm)
+        return grad_norm
+
+    def skip_step(self, grad_norm: float) -> None:
+        """A step whose gradients are not finite: the optimizer and lr schedule did not move."""
+        t = self.config.training
+        where = f"grad norm is {grad_norm} at step {self.step}"
+        if not t.skip_nonfinite_steps:
+            raise TrainingDiverged(
+                f"{where}; training stopped. Lower optimizer.lr or training.max_norm, check the data, or set "
+                "training.skip_nonfinite_steps=true to skip such steps"
+            )
+        self.skipped_steps += 1
+        log_line(f"{where}: optimizer step skipped ({self.skipped_steps} skipped so far)")
+        if self.skipped_steps > t.max_skipped_steps:
+            raise TrainingDiverged(
+                f"{where}: {self.skipped_steps} steps skipped, more than training.max_skipped_steps="
+                f"{t.max_skipped_steps}; training stopped. Lower optimizer.lr or check the data"
+            )
 
     def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = [next(data_iter) for _ in range(self.accumulation_steps)]
@@ -254,8 +281,14 @@ class Trainer:
         loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
         self.loss_scale = torch.ones((), device=self.device)  # summed losses
         loss_sum, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for _, (x, y) in zip(range(v.steps), loader):
-            x, y = x.to(self.device), y.to(self.device)
+        batches = iter(loader)
+        for _ in range(v.steps):
+            batch = next(batches, None)
+            # Data-parallel ranks read different documents and can run out at different batches:
+            # all stop at the first batch that one of them lacks, or their collectives would hang.
+            if not self.every_rank(batch is not None):
+                break
+            x, y = (b.to(self.device) for b in batch)
             loss_sum += self.forward(x, y, backward=False).float()
             tokens += (y != IGNORE_INDEX).sum()
         loss_sum = self.reduce_loss(loss_sum)
@@ -265,6 +298,16 @@ class Trainer:
         if tokens == 0:
             raise ConfigError("validation data yielded no full sequence; use a larger validation set or shorter seq_len")
         return (loss_sum / tokens).item()
+
+    def shorten_collective_timeout(self) -> None:
+        """comm.train_timeout_seconds for training's groups; the async checkpoint keeps its own."""
+        keep = [self.checkpointer.async_group] if self.checkpointer.async_group else []
+        set_collective_timeout(self.config.comm.train_timeout_seconds, keep)
+
+    def every_rank(self, condition: bool) -> bool:
+        flag = torch.tensor(float(condition), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def train(self) -> None:
         t, m, v = self.config.training, self.config.metrics, self.config.validation
@@ -298,7 +341,7 @@ class Trainer:
         data_iter = iter(self.dataloader)
         loss = grad_norm = float("nan")
         self.profiler = Profiler(self.config, dist.get_rank(), self.device)
-        first_step = self.step + 1
+        first_step, first_tokens = self.step + 1, self.tokens_seen
         while self.step < t.steps:
             self.step += 1
             if self.step % t.gc_freq == 0:
@@ -307,29 +350,27 @@ class Trainer:
             microbatches = self.next_microbatches(data_iter)
             data_seconds = time.perf_counter() - data_start
             loss, grad_norm = self.train_step(microbatches)
-            if not math.isfinite(loss):
-                raise TrainingDiverged(
-                    f"loss is {loss} at step {self.step}; training stopped. Lower optimizer.lr, raise "
-                    "lr_scheduler.warmup_steps or check the data"
-                )
             self.tokens_seen += tokens_per_step * self.dp_degree
             self.metrics.record_step(tokens_per_step, data_seconds)
             if self.step == 1 or self.step % m.log_freq == 0 or self.step == t.steps:
                 lr = self.lr_schedulers[0].get_last_lr()[0]
-                self.metrics.log(self.step, loss, grad_norm, lr, self.tokens_seen)
+                skipped = self.skipped_steps if t.skip_nonfinite_steps else None
+                self.metrics.log(self.step, loss, grad_norm, lr, self.tokens_seen, skipped)
             if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
                 self.metrics.log_validation(self.step, self.validate())
                 self.metrics.reset()  # keep evaluation time out of the next throughput window
             self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
             self.profiler.after_step(self.step)
             if self.step == first_step:
-                set_collective_timeout(self.config.comm.train_timeout_seconds)
+                self.shorten_collective_timeout()
         self.checkpointer.wait()
         self.profiler.close()
         elapsed = time.perf_counter() - self.metrics.start
+        tokens = self.tokens_seen - first_tokens  # a resumed run counts only what this process trained
         log_line(
-            f"done: {self.step} steps, final loss {loss:.4f}, {self.tokens_seen:,} tokens in {elapsed:.1f}s "
-            f"({self.tokens_seen / elapsed / self.dims.world_size:,.0f} tokens/s per device), metrics in {self.metrics.folder / 'metrics.jsonl'}"
+            f"done: {self.step} steps, final loss {loss:.4f}; this run: {self.step - first_step + 1} steps, "
+            f"{tokens:,} tokens in {elapsed:.1f}s ({tokens / elapsed / self.dims.world_size:,.0f} tokens/s per device); "
+            f"metrics in {self.metrics.folder / 'metrics.jsonl'}"
         )
         self.metrics.close()
 
@@ -352,6 +393,13 @@ class Trainer:
         )
 
 
+def report(message: str, code: int) -> int:
+    """One line for the person who launched the run: printed, or left for titanlite.torchrun to print."""
+    if not write_error(message, code):
+        print(message, file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
@@ -369,17 +417,15 @@ def main(argv: list[str] | None = None) -> None:
                 trainer.train()
         dist.barrier()
     except ConfigError as e:
-        print(f"titanlite: config error: {e}", file=sys.stderr)
-        code = 2
+        code = report(f"titanlite: config error: {e}", 2)
     except TrainingDiverged as e:
-        print(f"titanlite: {e}", file=sys.stderr)
-        code = 1
+        code = report(f"titanlite: {e}", 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
-    # os._exit: gloo worker threads can abort the interpreter's shutdown (see shared/notes/cpu_feasibility.md).
+    # os._exit: gloo worker threads can abort the interpreter's shutdown (docs/architecture.md, "gloo on CPU").
     os._exit(code)
 
 

@@ -8,12 +8,7 @@ and restored exactly.
 
 from __future__ import annotations
 
-import glob
-import os
-import socket
 import warnings
-from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -22,69 +17,27 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data.corpus import shakespeare_files
+from titanlite.data.sources import Source, resolve_source, split_source
 from titanlite.data.tokenizer import Tokenizer
 
 # torchdata 0.11 calls a deprecated torch API on every loader; nothing for users to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".gz": "json", ".parquet": "parquet", ".txt": "text"}
-
-
-def _local_files(path: str) -> list[str]:
-    """A file, a folder (every supported file in it) or a glob -> sorted file list."""
-    if os.path.isdir(path):
-        files = [str(p) for p in sorted(Path(path).rglob("*")) if p.is_file() and _builder(str(p))]
-    else:
-        files = sorted(glob.glob(path))
-    return files
-
-
-def _builder(path: str) -> str | None:
-    if path.endswith((".jsonl.gz", ".json.gz")):
-        return "json"
-    suffix = Path(path).suffix
-    return BUILDERS.get(suffix) if suffix != ".gz" else None
-
-
-def _check_hub_reachable(name: str) -> None:
-    """Fail in seconds, not minutes, when the hub cannot be reached (datasets retries for ~6 minutes)."""
-    hint = f"training.dataset='{name}' is a Hugging Face hub dataset"
-    fix = "use a local path (file, folder or glob of .jsonl/.jsonl.gz/.parquet/.txt) or the built-in 'shakespeare'"
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in (
-        "0",
-        "",
-    ):
-        raise ConfigError(f"{hint}, but HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set; {fix}")
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
-    except OSError as e:
-        raise ConfigError(f"{hint}, but {endpoint.hostname} is unreachable ({e}); {fix}")
-
 
 def load_documents(name: str, path: str, split: str):
     """A streaming `datasets.IterableDataset` of documents for a dataset name (+ optional local path)."""
+    return open_source(resolve_source(name, path), split)
+
+
+def open_source(source: Source, split: str):
     from datasets import load_dataset
 
-    if name == "shakespeare" and not path:
+    if source.kind == "builtin":
         return load_dataset("json", data_files=str(shakespeare_files()[split]), split="train", streaming=True)
-    location = os.path.expanduser(path or name)
-    files = _local_files(location)
-    if files:
-        builders = {_builder(f) for f in files}
-        if len(builders) != 1 or None in builders:
-            raise ConfigError(
-                f"training.dataset_path='{location}' mixes or lacks supported file types {sorted(builders, key=str)}; "
-                "use one of .jsonl, .jsonl.gz, .parquet, .txt"
-            )
-        builder = builders.pop()
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        return load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-    looks_local = name.startswith(("/", ".", "~")) or any(c in name for c in "*?[") or _builder(name)
-    if path or looks_local:
-        raise ConfigError(f"training.dataset_path='{location}' matches no files; give an existing file, folder or glob")
-    _check_hub_reachable(name)
-    return load_dataset(name, split=split, streaming=True)
+    if source.kind == "files":
+        kwargs = {"sample_by": "document"} if source.builder == "text" else {}
+        return load_dataset(source.builder, data_files=list(source.files), split="train", streaming=True, **kwargs)
+    return load_dataset(source.name, split=split, streaming=True)
 
 
 class TokenWindows(IterableDataset, Stateful):
@@ -156,21 +109,14 @@ def build_dataloader(
     """The loader of one data-parallel rank. tp/cp/pp peers pass the same dp_rank and read the same rows."""
     from datasets.distributed import split_dataset_by_node
 
-    t, v = config.training, config.validation
-    name, path = t.dataset, t.dataset_path
-    if split == "validation":
-        if v.dataset or v.dataset_path:
-            name, path = v.dataset or t.dataset, v.dataset_path
-        elif _local_files(path or name):
-            raise ConfigError(
-                f"validation.enable=true but validation.dataset is empty and training.dataset='{t.dataset}' is local "
-                "files with no held-out part; set validation.dataset or validation.dataset_path"
-            )
-    documents = load_documents(name, path, split)
+    t = config.training
+    documents = open_source(split_source(config, split), split)
     if t.data_split == "documents":
         documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_degree)
         dp_rank, dp_degree = 0, 1  # this rank's documents are all its own
     windows = TokenWindows(
         documents, tokenizer, t.seq_len, t.dataset_text_field, split == "train", dp_rank, dp_degree, t.local_batch_size
     )
-    return StatefulDataLoader(windows, batch_size=t.local_batch_size, num_workers=0)
+    # drop_last: a partial batch would not split into pipeline microbatches, and ranks must agree on
+    # the number of batches of a finite (validation) stream.
+    return StatefulDataLoader(windows, batch_size=t.local_batch_size, num_workers=0, drop_last=True)

@@ -104,8 +104,16 @@ class TiktokenTokenizer(Tokenizer):
 
 
 def build_tokenizer(tokenizer_path: str) -> Tokenizer:
-    if tokenizer_path == "byte":
+    path = tokenizer_file(tokenizer_path)
+    if path is None:
         return ByteTokenizer()
+    return HFTokenizer(path) if path.suffix == ".json" else TiktokenTokenizer(path)
+
+
+def tokenizer_file(tokenizer_path: str) -> Path | None:
+    """The file behind `model.tokenizer_path` (None for 'byte'); ConfigError if there is none."""
+    if tokenizer_path == "byte":
+        return None
     path = BUILTIN.get(tokenizer_path) or Path(tokenizer_path)
     if path.is_dir():
         for name in ("tokenizer.json", "tokenizer.model"):
@@ -117,7 +125,7 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
             f"model.tokenizer_path='{tokenizer_path}' is not a file or a folder with tokenizer.json; "
             f"use 'byte', one of {sorted(BUILTIN)}, or a local tokenizer.json / tiktoken file"
         )
-    return HFTokenizer(path) if path.suffix == ".json" else TiktokenTokenizer(path)
+    return path
 
 
 def train_bpe(texts, vocab_size: int):

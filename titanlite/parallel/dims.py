@@ -76,6 +76,17 @@ class ParallelDims:
                     f"choose a divisor of {value}"
                 )
 
+    def accumulation_steps(self, local_batch_size: int, global_batch_size: int) -> int:
+        """Microbatches per optimizer step: the global batch over (local batch x data-parallel ranks)."""
+        per_step = local_batch_size * self.dp_degree
+        global_batch = per_step if global_batch_size == -1 else global_batch_size
+        if global_batch % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x dp "
+                f"= {local_batch_size} x {self.dp_degree}; use a multiple of {per_step}"
+            )
+        return global_batch // per_step
+
     @property
     def seq_len_divisor(self) -> int:
         """Sequence parallel splits the sequence over tp; load-balanced CP splits it into 2*cp chunks."""

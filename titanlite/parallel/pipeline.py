@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import math
+from contextlib import contextmanager
 
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig
 
 V_SCHEDULES = ("zbvzerobubble", "dualpipev")
+BACKWARD_ACTIONS = ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD")
 
 
 def schedule_class(name: str):
@@ -146,3 +148,32 @@ def build_schedule(config: JobConfig, parts: list[nn.Module], stage_ids: list[in
             f"parallelism.pipeline_parallel_schedule='{p.pipeline_parallel_schedule}' cannot run {n_stages} stages "
             f"on pp={dims.pp} with {n_microbatches} microbatches: {e}"
         )
+
+
+@contextmanager
+def forward_only(schedule):
+    """Evaluate with `schedule.eval()`. Multi-stage schedules run from a per-rank action list, and
+    torch's eval still walks its backward actions: on a V schedule the stage that shares a rank with
+    the next one then asks that stage for an input gradient it never made (torch 2.13: "can't
+    steal_bwd_input if this stage doesn't have backward"). Run the forward actions alone, in their
+    order: every forward still meets the sends it waits for, since none of them waits on a backward."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is None:  # single-stage schedules have no action list
+        yield
+        return
+    schedule.pipeline_order_with_comms = {rank: _forward_actions(actions) for rank, actions in order.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
+
+
+def _forward_actions(actions) -> list:
+    kept = []
+    for action in actions:
+        kind = action.computation_type.name
+        if kind == "OVERLAP_F_B":  # DualPipeV's overlapped forward + backward: keep the forward
+            kept += [a for a in action.sub_actions if a.computation_type.name == "FORWARD"]
+        elif kind not in BACKWARD_ACTIONS:
+            kept.append(action)
+    return kept

@@ -19,12 +19,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanlite.float8 import Float8PrepareModuleInput
+from titanlite.float8 import Float8Linear, Float8PrepareModuleInput
+
+# The projections that read each sub-module's gathered input.
+INPUT_PROJECTIONS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
 
 
-def block_plan(sequence_parallel: bool, float8_recipe: str | None = None) -> dict:
-    """The TP plan of one TransformerBlock: q/k/v and w1/w3 column-wise, wo and w2 row-wise. With
-    tensorwise float8 linears, sequence parallel's gathers before them move float8 bytes."""
+def block_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
+    """The TP plan of one TransformerBlock: q/k/v and w1/w3 column-wise, wo and w2 row-wise. Sequence
+    parallel's gathers before the sub-modules in `float8_inputs` move float8 bytes."""
     between_blocks = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attention.wq": ColwiseParallel(),
@@ -43,9 +46,19 @@ def block_plan(sequence_parallel: bool, float8_recipe: str | None = None) -> dic
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
-        if float8_recipe == "tensorwise":
-            plan |= {"attention": Float8PrepareModuleInput(), "feed_forward": Float8PrepareModuleInput()}
+        plan |= {name: Float8PrepareModuleInput() for name in float8_inputs}
     return plan
+
+
+def float8_gathered_inputs(block: nn.Module, float8_recipe: str | None) -> frozenset[str]:
+    """Sub-modules whose input can be gathered in float8: every projection reading it is a tensorwise
+    float8 linear (a filtered or ineligible one needs the high-precision input)."""
+    if float8_recipe != "tensorwise":
+        return frozenset()
+    return frozenset(
+        name for name, projections in INPUT_PROJECTIONS.items()
+        if all(isinstance(getattr(getattr(block, name), p), Float8Linear) for p in projections)
+    )
 
 
 def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
@@ -67,6 +80,5 @@ def apply_tp(
     model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, float8_recipe: str | None = None
 ) -> None:
     parallelize_module(model, tp_mesh, model_plan(model, sequence_parallel, loss_parallel))
-    plan = block_plan(sequence_parallel, float8_recipe)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, float8_gathered_inputs(block, float8_recipe)))

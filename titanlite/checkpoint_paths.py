@@ -1,0 +1,49 @@
+"""Which checkpoint folders are complete, and which one a run loads: plain pathlib (no torch), so
+run_train.sh can check a config's checkpoint before any process starts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from titanlite.config import ConfigError, JobConfig
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+UNFINISHED_DIR = re.compile(r"^step-\d+\.(tmp|deleting)$")  # a save or a removal a crash cut short
+
+
+def checkpoint_folder(config: JobConfig) -> Path:
+    return Path(config.job.dump_folder) / config.checkpoint.folder
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint (renamed from .tmp and holding DCP's metadata), oldest first."""
+    if not folder.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").exists()]
+    return sorted(steps)
+
+
+def checkpoint_to_load(config: JobConfig) -> tuple[Path, bool] | None:
+    """(the checkpoint folder a run starts from, whether it is the run's own), or None for a fresh
+    start: `load_step`, else the latest complete one of the run, else `initial_load_path`."""
+    c, folder = config.checkpoint, checkpoint_folder(config)
+    steps = complete_steps(folder) if c.enable else []
+    if c.load_step >= 0:
+        if c.load_step not in steps:
+            raise ConfigError(
+                f"checkpoint.load_step={c.load_step} has no complete checkpoint in {folder} (found {steps or 'none'}"
+                f"{'' if c.enable else '; checkpoint.enable is false'}); choose a saved step or -1 for the latest"
+            )
+        return folder / f"step-{c.load_step}", True
+    if steps:
+        return folder / f"step-{steps[-1]}", True
+    if c.initial_load_path:
+        path = Path(c.initial_load_path)
+        if not (path / ".metadata").is_file():
+            raise ConfigError(
+                f"checkpoint.initial_load_path='{path}' holds no complete DCP checkpoint (no .metadata); "
+                "give a step folder such as outputs/run/checkpoint/step-1000"
+            )
+        return path, False
+    return None

@@ -1,0 +1,86 @@
+"""Where a dataset's documents come from, decided without torch or `datasets`, so `run_train.sh`
+can check a config before any process starts: the built-in corpus, local files, or the hub."""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from titanlite.config import ConfigError, JobConfig
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "builtin", "files" or "hub"
+    name: str  # the dataset name, or the local location
+    files: tuple[str, ...] = ()
+    builder: str = ""  # the `datasets` builder of local files
+
+
+def local_files(path: str) -> list[str]:
+    """A file, a folder (every supported file in it) or a glob -> sorted file list."""
+    if os.path.isdir(path):
+        return [str(p) for p in sorted(Path(path).rglob("*")) if p.is_file() and file_builder(str(p))]
+    return sorted(glob.glob(path))
+
+
+def file_builder(path: str) -> str | None:
+    if path.endswith((".jsonl.gz", ".json.gz")):
+        return "json"
+    return BUILDERS.get(Path(path).suffix)
+
+
+def check_hub_reachable(name: str) -> None:
+    """Fail in seconds, not minutes, when the hub cannot be reached (datasets retries for ~6 minutes)."""
+    hint = f"training.dataset='{name}' is a Hugging Face hub dataset"
+    fix = "use a local path (file, folder or glob of .jsonl/.jsonl.gz/.parquet/.txt) or the built-in 'shakespeare'"
+    if any(os.environ.get(flag, "0") not in ("0", "") for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        raise ConfigError(f"{hint}, but HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set; {fix}")
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
+    except OSError as e:
+        raise ConfigError(f"{hint}, but {endpoint.hostname} is unreachable ({e}); {fix}")
+
+
+def resolve_source(name: str, path: str) -> Source:
+    """The source of dataset `name` (read from local `path` when given); ConfigError when a local
+    path matches nothing, mixes file types, or the hub is out of reach."""
+    if name == "shakespeare" and not path:
+        return Source("builtin", name)
+    location = os.path.expanduser(path or name)
+    files = local_files(location)
+    if files:
+        builders = {file_builder(f) for f in files}
+        if len(builders) != 1 or None in builders:
+            raise ConfigError(
+                f"training.dataset_path='{location}' mixes or lacks supported file types {sorted(builders, key=str)}; "
+                "use one of .jsonl, .jsonl.gz, .parquet, .txt"
+            )
+        return Source("files", location, tuple(files), builders.pop())
+    looks_local = name.startswith(("/", ".", "~")) or any(c in name for c in "*?[") or file_builder(name)
+    if path or looks_local:
+        raise ConfigError(f"training.dataset_path='{location}' matches no files; give an existing file, folder or glob")
+    check_hub_reachable(name)
+    return Source("hub", name)
+
+
+def split_source(config: JobConfig, split: str) -> Source:
+    """The source of the training or validation split. Validation reads `validation.dataset(_path)`,
+    else the held-out part of the training dataset, which only the built-in corpus and the hub have."""
+    t, v = config.training, config.validation
+    if split == "validation" and (v.dataset or v.dataset_path):
+        return resolve_source(v.dataset or t.dataset, v.dataset_path)
+    source = resolve_source(t.dataset, t.dataset_path)
+    if split == "validation" and source.kind == "files":
+        raise ConfigError(
+            f"validation.enable=true but validation.dataset is empty and training.dataset='{t.dataset}' is local "
+            "files with no held-out part; set validation.dataset or validation.dataset_path"
+        )
+    return source

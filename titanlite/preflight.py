@@ -1,0 +1,48 @@
+"""Check a config before any process starts: `python -m titanlite.preflight --job.config_file F ...`
+(run_train.sh runs it with WORLD_SIZE set). Bad input ends here, as one line and exit code 2:
+the schema (config.py), the layout for WORLD_SIZE ranks, the model's shapes against it, the batch
+sizes, the pipeline split, and the run's inputs (tokenizer, datasets, the checkpoint to load).
+Torch is imported only when there is a pipeline to check (its schedule classes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from titanlite.checkpoint_paths import checkpoint_to_load
+from titanlite.config import ConfigError, JobConfig, parse_args
+from titanlite.data.sources import split_source
+from titanlite.data.tokenizer import tokenizer_file
+from titanlite.models import model_args
+from titanlite.parallel.dims import ParallelDims
+
+
+def check(config: JobConfig, world_size: int) -> None:
+    t = config.training
+    dims = ParallelDims.from_config(config, world_size)
+    args = model_args(config.model.name, config.model.flavor, 0, t.seq_len, config.model.n_layers)
+    dims.check_model(args.n_heads, args.n_kv_heads)
+    dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
+    if dims.pp_enabled:
+        from titanlite.parallel.pipeline import plan_stages
+
+        plan_stages(config, args.n_layers, dims.pp, pp_rank=0)
+    tokenizer_file(config.model.tokenizer_path)
+    if config.job.dry_run or config.checkpoint.create_seed_checkpoint:
+        return  # reads no data and loads no checkpoint
+    split_source(config, "train")
+    if config.validation.enable:
+        split_source(config, "validation")
+    checkpoint_to_load(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        check(parse_args(argv), int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        print(f"titanlite: config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""torchrun, with a rank's one-line error instead of the launcher's traceback (run_train.sh uses it):
+
+    python -m titanlite.torchrun [torchrun options] -m titanlite.train [--section.key value ...]
+
+A rank that stops on bad input only it can see (a config error: exit code 2) or on diverged training
+(exit code 1) writes its line into TITANLITE_ERROR_DIR instead of printing it. When the job fails,
+this prints the line of the lowest such rank, once, and exits with its code; torchrun's reports of
+that failure (its log lines and the ChildFailedError traceback) are left out. Any other failure
+keeps torchrun's report of which rank died and how, without the launcher's own Python traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ERROR_DIR = "TITANLITE_ERROR_DIR"
+
+
+def write_error(message: str, code: int) -> bool:
+    """Under this launcher: leave the rank's line for it and return True; else return False."""
+    folder = os.environ.get(ERROR_DIR)
+    if not folder:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    Path(folder, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "message": message}))
+    return True
+
+
+def first_error(folder: str) -> dict | None:
+    errors = [json.loads(p.read_text()) for p in Path(folder).glob("rank*.json")]
+    return min(errors, key=lambda e: e["rank"]) if errors else None
+
+
+class _UnlessRankReported(logging.Filter):
+    """Drops torchrun's log lines once a rank has reported its own error: they only retell it."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return first_error(self.folder) is None
+
+
+def torch_log_handlers() -> list[logging.Handler]:
+    """The handlers that print torch.distributed's log lines (torch gives several loggers their own)."""
+    loggers = [logging.getLogger("torch")] + [
+        logger for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith("torch.distributed") and isinstance(logger, logging.Logger)
+    ]
+    return [handler for logger in loggers for handler in logger.handlers]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="titanlite-errors-") as folder:
+        os.environ[ERROR_DIR] = folder  # the workers inherit it
+        quiet = _UnlessRankReported(folder)
+        for handler in torch_log_handlers():
+            handler.addFilter(quiet)
+        try:
+            run(args)
+        except ChildFailedError as e:
+            error = first_error(folder)
+            if error is None:
+                print(e, file=sys.stderr)
+                raise SystemExit(1)
+            print(error["message"], file=sys.stderr)
+            raise SystemExit(error["code"])
+
+
+if __name__ == "__main__":
+    main()
