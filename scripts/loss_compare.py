@@ -26,7 +26,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from titanlite.launch import pyplot, read_metrics, run_trainer
+from titanlite.launch import curve_difference, pyplot, read_metrics, run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,9 +50,9 @@ def run_all(runs: list[tuple[str, str, str]], common: list[str], steps: int, out
 
 
 def compare(curves: dict[str, list[float]]) -> dict[str, float]:
-    """Largest |loss - baseline loss| over the steps both have, per run."""
+    """Largest |loss - baseline loss| per run (inf for a NaN or a curve of another length)."""
     baseline = next(iter(curves.values()))
-    return {label: max(abs(a - b) for a, b in zip(curve, baseline)) for label, curve in list(curves.items())[1:]}
+    return {label: curve_difference(curve, baseline) for label, curve in list(curves.items())[1:]}
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:
@@ -104,7 +104,7 @@ def main() -> int:
     plot(curves, args.out / "loss_compare.png")
     (args.out / "loss_compare.json").write_text(json.dumps({"curves": curves, "max_abs_difference": differences}, indent=1))
     if args.assert_within is not None:
-        failed = {label: d for label, d in differences.items() if d > args.assert_within}
+        failed = {label: d for label, d in differences.items() if not d <= args.assert_within}
         if failed:
             print(f"FAIL: loss differs by more than {args.assert_within} from {baseline_label}: {failed}")
             return 1

@@ -3,7 +3,7 @@
 Each rank is a spawned process with its own process group on a free port. A rank's return value
 comes back to the test; a rank's exception fails the test with that rank's traceback. Ranks end
 with barrier + destroy_process_group + os._exit(0), which avoids gloo's flaky abort at interpreter
-exit (shared/notes/cpu_feasibility.md).
+exit (docs/architecture.md, "gloo on CPU").
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ layouts (data position included), async save, seed checkpoint, Hugging Face expo
 
 import json
 import os
+import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -31,15 +33,21 @@ def losses(folder) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def first_logged_step(stdout: str) -> int:
+    return int(re.search(r"^step +(\d+) \| loss", stdout, re.MULTILINE).group(1))
+
+
 def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path):
     args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps), "--checkpoint.interval", "10")
     torchrun(1, args(tmp_path / "straight", 20))
     torchrun(1, args(tmp_path / "resumed", 10))
     out = torchrun(1, args(tmp_path / "resumed", 20))
-    assert "loaded checkpoint" in out.stdout and "step-10" in out.stdout
+    assert f"loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / 'step-10'} (" in out.stdout
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(1, 21))  # the resumed run appended steps 11-20
     assert [resumed[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]  # bitwise
+    # Throughput counts this run's 10 steps of 2 x 32 tokens, not the 20 steps since step 0.
+    assert "final loss" in out.stdout and "this run: 10 steps, 640 tokens in" in out.stdout
 
 
 def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
@@ -58,21 +66,29 @@ def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
     proc.wait()
     assert (folder / "checkpoint" / "step-5").exists() and not (folder / "checkpoint" / "step-10").exists()
 
-    torchrun(4, args(folder))
+    out = torchrun(4, args(folder))
+    assert f"loaded checkpoint {folder / 'checkpoint' / 'step-5'} (" in out.stdout
+    assert first_logged_step(out.stdout) == 6  # it continued from the checkpoint, not from step 1
     straight, resumed = losses(tmp_path / "straight"), losses(folder)
     assert [resumed[s] for s in range(6, 11)] == [straight[s] for s in range(6, 11)]
 
 
-def test_crash_during_save_keeps_the_last_good_checkpoint(corpus_jsonl, tmp_path):
-    args = tiny_args(corpus_jsonl, tmp_path, *COMMON, "--training.steps", "4", "--checkpoint.interval", "2")
-    torchrun(1, args)
-    ckpt = tmp_path / "checkpoint"
-    (ckpt / "step-6.tmp").mkdir()  # a save that died before its rename
-    (ckpt / "step-6.tmp" / "__0_0.distcp").write_bytes(b"half written")
-    (ckpt / "step-8").mkdir()  # a folder without DCP metadata never counts
-    out = torchrun(1, tiny_args(corpus_jsonl, tmp_path, *COMMON, "--training.steps", "5", "--checkpoint.interval", "2"))
-    assert "loaded checkpoint" in out.stdout and "step-4 " in out.stdout
-    assert not (ckpt / "step-6.tmp").exists() or (ckpt / "step-5").exists()
+def test_a_crash_at_any_point_of_a_save_resumes_from_the_last_good_checkpoint(corpus_jsonl, tmp_path):
+    """Die (exit 137, as kill -9) at each point of the step-4 save, then rerun: the last complete
+    checkpoint loads, the run ends like an uninterrupted one, and nothing unfinished is left."""
+    args = lambda folder: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "6", "--checkpoint.interval", "2",
+                                    "--checkpoint.keep_latest_k", "1")
+    torchrun(1, args(tmp_path / "straight"))
+    straight = losses(tmp_path / "straight")
+    for point, last_good in [("data_written", 2), ("before_commit", 2), ("during_removal", 4)]:
+        folder = tmp_path / point
+        crashed = run_command([sys.executable, str(REPO / "tests" / "crash_during_save.py"), point, *args(folder)], cwd=REPO)
+        assert crashed.returncode == 137, (point, crashed.stderr[-2000:])
+        out = torchrun(1, args(folder))
+        assert f"loaded checkpoint {folder / 'checkpoint' / f'step-{last_good}'} (" in out.stdout, (point, out.stdout[-2000:])
+        assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-6"], point  # tmp and half-removed folders gone
+        resumed = losses(folder)
+        assert [resumed[s] for s in range(last_good + 1, 7)] == [straight[s] for s in range(last_good + 1, 7)], point
 
 
 def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):
@@ -103,7 +119,9 @@ def test_async_save_of_a_float8_fsdp_run_resumes_exactly(corpus_jsonl, tmp_path)
     out = torchrun(2, args(tmp_path / "async", 6))
     assert "async save started" in out.stdout and "async save complete" in out.stdout
     assert sorted(p.name for p in (tmp_path / "async" / "checkpoint").iterdir()) == ["step-3", "step-6"]
-    torchrun(2, args(tmp_path / "async", 8))
+    out = torchrun(2, args(tmp_path / "async", 8))
+    assert f"loaded checkpoint {tmp_path / 'async' / 'checkpoint' / 'step-6'} (" in out.stdout
+    assert first_logged_step(out.stdout) == 7
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "async")
     assert [resumed[s] for s in (7, 8)] == [straight[s] for s in (7, 8)]
     assert sorted(p.name for p in (tmp_path / "async" / "checkpoint").iterdir()) == ["step-6", "step-8"]  # keep_latest_k
@@ -171,3 +189,32 @@ def test_loading_refuses_non_tensor_entries(tmp_path):
 
     (message,) = run_distributed(_load_pickled_checkpoint, 1, str(tmp_path / "bad"))
     assert "entry 'train.step' is not a tensor; refusing to unpickle it" in message
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a crafted checkpoint could do to whoever loads it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_never_unpickles_code_from_the_metadata(corpus_jsonl, tmp_path):
+    """A checkpoint whose DCP .metadata pickle would run a command: resuming it, starting from it
+    (initial_load_path) and converting it each stop with one line naming the file; nothing runs."""
+    marker = tmp_path / "code_ran"
+    run = tmp_path / "run"
+    torchrun(1, tiny_args(corpus_jsonl, run, "--checkpoint.enable", "--training.steps", "2", "--checkpoint.interval", "2"))
+    step = run / "checkpoint" / "step-2"
+    (step / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable}
+    message = f"checkpoint metadata '{step / '.metadata'}' is not plain DCP metadata (it references posix.system)"
+    for args in (tiny_args(corpus_jsonl, run, "--checkpoint.enable", "--training.steps", "4")[2:],
+                 tiny_args(corpus_jsonl, tmp_path / "other", "--checkpoint.initial_load_path", str(step))[2:]):
+        out = run_command(["./run_train.sh", *args], cwd=REPO, env=env)
+        assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr[-2000:]
+    out = run_command([sys.executable, str(REPO / "scripts" / "convert_hf.py"), "to-hf", str(step), str(tmp_path / "hf")], cwd=REPO)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert not marker.exists()

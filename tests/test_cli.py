@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from helpers import REPO, run_command, tiny_args
+from titanlite.launch import curve_difference
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +62,30 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
              "--parallelism.pipeline_parallel_layers_per_stage", "2"], "runs one stage per rank, but the split gives 2"),
         (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
              "--parallelism.pipeline_parallel_layers_per_stage", "1"], "needs exactly 2 stages per rank"),
+        # The run's inputs, checked before launch too.
+        (1, ["--training.dataset", str(tmp_path / "missing.jsonl")], "missing.jsonl' matches no files"),
+        (1, ["--model.tokenizer_path", str(tmp_path / "tokenizer.json")], "is not a file or a folder with tokenizer.json"),
+        (1, ["--training.dataset", "allenai/c4"], "is a Hugging Face hub dataset, but HF_HUB_OFFLINE"),
+        (2, ["--training.global_batch_size", "12"], "not a multiple of local_batch_size x dp = 8 x 2"),
+        (1, ["--checkpoint.enable", "--checkpoint.load_step", "7", "--job.dump_folder", str(tmp_path)], "load_step=7 has no complete checkpoint"),
+        (1, ["--checkpoint.initial_load_path", str(tmp_path / "step-3")], "step-3' holds no complete DCP checkpoint"),
     ]:
         env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
         out = run_command(["./run_train.sh", *args], timeout=120, cwd=REPO, env=env)
         assert out.returncode == 2, (args, out.stderr)
         assert out.stderr.strip().count("\n") == 0 and words in out.stderr, (args, out.stderr)
+
+
+def test_an_error_only_a_rank_sees_is_one_line_and_exit_2(tmp_path):
+    """A dataset without the text column is found by the ranks, not before launch: run_train.sh shows
+    the rank's line once, without torchrun's traceback, and exits 2."""
+    data = tmp_path / "body.jsonl"
+    data.write_text("".join(json.dumps({"body": "words " * 50}) + "\n" for _ in range(20)))
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    out = run_command(["./run_train.sh", "--training.dataset", str(data), "--validation.enable", "false",
+                       "--job.dump_folder", str(tmp_path / "run")], cwd=REPO, env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip() == "titanlite: config error: training.dataset_text_field='text' is not a column of the dataset; columns: ['body']"
 
 
 def test_dry_run_checks_a_512_gpu_layout_in_one_process():
@@ -97,5 +117,5 @@ def test_parallel_layouts_match_one_process_through_the_cli(corpus_jsonl, tmp_pa
         losses[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(losses["single"]) == 8 + 2 and losses["single"][7] < losses["single"][0]
     for name, curve in losses.items():
-        diff = max(abs(a - b) for a, b in zip(curve, losses["single"]))
+        diff = curve_difference(curve, losses["single"])
         assert diff < 1e-4, f"{name}: {curve} vs {losses['single']} (max diff {diff:.2e})"

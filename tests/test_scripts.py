@@ -45,3 +45,31 @@ def test_loss_compare_trains_from_one_seed_and_asserts(corpus_jsonl, tmp_path):
     out = run_command([*script, "--metrics", "single", str(tmp_path / "single" / "metrics.jsonl"),
                        "--metrics", "shifted", str(shifted), "--out", str(tmp_path / "read"), "--assert-within", "1e-3"])
     assert out.returncode == 1 and "FAIL" in out.stdout, out.stdout + out.stderr
+
+
+def test_curve_difference_fails_on_nan_infinity_and_unequal_length():
+    from titanlite.launch import curve_difference
+
+    assert curve_difference([3.0, 2.5, 2.0], [3.0, 2.4, 2.0]) == pytest.approx(0.1)
+    nan, inf = float("nan"), float("inf")
+    for curve in ([3.0, nan, 2.0], [3.0, 2.5, inf], [3.0, 2.5], [3.0, 2.5, 2.0, 1.0], []):
+        assert not curve_difference(curve, [3.0, 2.5, 2.0]) <= 1.0, curve  # NaN, Inf and a length mismatch fail
+    assert not curve_difference([3.0, 2.5], [3.0, nan]) <= 1.0  # a NaN in the baseline too
+
+
+def test_the_repository_speaks_of_itself_alone():
+    """A clone has no files beside it: no code or doc may send a reader to ../shared, and none may
+    describe the GPU run as anything but a user's run on a machine with a GPU."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    outside = re.compile(r"\bshared/(notes|tools|ARCHITECTURE)|\.\./shared|\blent\b|\bsessions?\b", re.IGNORECASE)
+    found = []
+    for name in files:
+        if name.startswith("titanlite/assets/") or name.endswith(".png") or name == "tests/test_scripts.py":
+            continue
+        for number, line in enumerate((REPO / name).read_text(errors="replace").splitlines(), 1):
+            if outside.search(line) and "start_new_session" not in line and 'scope="session"' not in line:
+                found.append(f"{name}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

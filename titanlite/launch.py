@@ -4,6 +4,7 @@ scripts/benchmark.py and scripts/loss_compare.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +34,15 @@ def read_metrics(folder: Path) -> list[dict]:
     """The training rows (those with a loss) of a run's metrics.jsonl."""
     rows = [json.loads(line) for line in open(Path(folder) / "metrics.jsonl")]
     return [r for r in rows if "loss" in r]
+
+
+def curve_difference(curve: list[float], baseline: list[float]) -> float:
+    """Largest |curve - baseline| over the steps; inf when the curves differ in length or hold a
+    NaN or an infinity, so nothing slips through a `difference <= tolerance` check."""
+    if len(curve) != len(baseline) or not curve:
+        return math.inf
+    differences = [abs(a - b) for a, b in zip(curve, baseline)]
+    return max(d if math.isfinite(d) else math.inf for d in differences)
 
 
 def pyplot():
