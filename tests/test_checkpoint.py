@@ -62,8 +62,14 @@ def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
     deadline = time.monotonic() + 300
     while not (folder / "checkpoint" / "step-5" / ".metadata").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole job, mid-training after its checkpoint
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, mid-training after its checkpoint
     proc.wait()
+    # torchrun gives each rank a session of its own, so the kill reaches the launcher alone: the
+    # ranks must notice it and exit rather than train on beside the job that resumes.
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-f", str(folder)], capture_output=True).returncode == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert subprocess.run(["pgrep", "-f", str(folder)], capture_output=True).returncode == 1, "ranks outlived their launcher"
     assert (folder / "checkpoint" / "step-5").exists() and not (folder / "checkpoint" / "step-10").exists()
 
     out = torchrun(4, args(folder))

@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -69,6 +70,22 @@ def init_distributed(dry_run: bool, init_timeout: int = 300) -> torch.device:
     store = dist.PrefixStore(f"titanlite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
     return device
+
+
+def exit_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so a rank outlives a launcher killed with
+    SIGKILL (or a node's agent that died) and would train on beside the job that replaces it, writing
+    into the same checkpoint folder. A rank that torchrun started exits once its launcher is gone."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
 def set_collective_timeout(seconds: int, keep=()) -> None:
@@ -402,6 +419,7 @@ def report(message: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     code = 0
+    exit_with_launcher()
     try:
         config = parse_args(argv)
         device = init_distributed(config.job.dry_run, config.comm.init_timeout_seconds)
