@@ -23,6 +23,9 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LOG_RANK=${LOG_RANK:-0}
 COMM_MODE=${COMM_MODE:-}
+# Rank 0 hosts a fresh store for each attempt of the job, instead of every attempt sharing the agent's:
+# a node that replaces a dead one can then rejoin (it would wait for addresses nobody republishes).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # CPU runs: one thread per process unless the user says otherwise (ranks share the cores).
 if [ "$NGPU" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 

@@ -4,6 +4,8 @@ checkpoint save, as a crash or a power cut there would: `python crash_during_sav
   data_written     the shards are written, DCP's metadata is not (the save's last write)
   before_commit    the save is complete in step-N.tmp, not yet renamed to step-N
   during_removal   keep_latest_k removes the oldest checkpoint: one of its files is gone
+  between_renames  a save of a step that has a checkpoint already (a rewound run): the old one is
+                   moved aside, the new one not yet moved in
 """
 
 import os
@@ -18,6 +20,7 @@ from titanlite.train import main
 
 saves = 0
 original_rmtree = shutil.rmtree
+original_rename = Path.rename
 
 
 def die() -> None:
@@ -36,6 +39,14 @@ def crash_on_second(original):
     return wrapper
 
 
+def rename_then_die_if_moved_aside(self, target):
+    """Path.rename that dies right after a checkpoint is moved aside for its replacement."""
+    result = original_rename(self, target)
+    if str(target).endswith(".replaced"):
+        die()
+    return result
+
+
 def remove_one_file_then_die(path, *args, **kwargs):
     """shutil.rmtree that dies after removing one data file of a complete checkpoint."""
     if (Path(path) / ".metadata").exists():
@@ -52,6 +63,8 @@ if __name__ == "__main__":
         titanlite.checkpoint.Checkpointer.commit = crash_on_second(titanlite.checkpoint.Checkpointer.commit)
     elif point == "during_removal":
         titanlite.checkpoint.shutil.rmtree = remove_one_file_then_die
+    elif point == "between_renames":
+        Path.rename = rename_then_die_if_moved_aside
     else:
         raise SystemExit(f"unknown point {point}")
     main(args)

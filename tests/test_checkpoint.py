@@ -79,22 +79,58 @@ def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
     assert [resumed[s] for s in range(6, 11)] == [straight[s] for s in range(6, 11)]
 
 
+def crash(point: str, args: list[str]) -> None:
+    out = run_command([sys.executable, str(REPO / "tests" / "crash_during_save.py"), point, *args], cwd=REPO)
+    assert out.returncode == 137, (point, out.stderr[-2000:])
+
+
 def test_a_crash_at_any_point_of_a_save_resumes_from_the_last_good_checkpoint(corpus_jsonl, tmp_path):
     """Die (exit 137, as kill -9) at each point of the step-4 save, then rerun: the last complete
     checkpoint loads, the run ends like an uninterrupted one, and nothing unfinished is left."""
-    args = lambda folder: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "6", "--checkpoint.interval", "2",
-                                    "--checkpoint.keep_latest_k", "1")
-    torchrun(1, args(tmp_path / "straight"))
+    from titanlite.checkpoint_paths import complete_steps
+
+    args = lambda folder, *extra: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "6",
+                                            "--checkpoint.interval", "2", *extra)
+    keep_one = ["--checkpoint.keep_latest_k", "1"]
+    torchrun(1, args(tmp_path / "straight", *keep_one))
     straight = losses(tmp_path / "straight")
     for point, last_good in [("data_written", 2), ("before_commit", 2), ("during_removal", 4)]:
         folder = tmp_path / point
-        crashed = run_command([sys.executable, str(REPO / "tests" / "crash_during_save.py"), point, *args(folder)], cwd=REPO)
-        assert crashed.returncode == 137, (point, crashed.stderr[-2000:])
-        out = torchrun(1, args(folder))
+        crash(point, args(folder, *keep_one))
+        # A half-removed step-2 must not look complete (it still has its .metadata).
+        assert complete_steps(folder / "checkpoint") == [last_good], point
+        out = torchrun(1, args(folder, *keep_one))
         assert f"loaded checkpoint {folder / 'checkpoint' / f'step-{last_good}'} (" in out.stdout, (point, out.stdout[-2000:])
         assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-6"], point  # tmp and half-removed folders gone
         resumed = losses(folder)
         assert [resumed[s] for s in range(last_good + 1, 7)] == [straight[s] for s in range(last_good + 1, 7)], point
+
+
+def test_a_crash_while_a_step_is_saved_again_keeps_the_old_checkpoint(corpus_jsonl, tmp_path):
+    """A run rewound to step 2 saves step 4 again; dying after the old step-4 was moved aside and
+    before the new one took its place, the next start puts the old one back: it loads as before."""
+    args = lambda *extra: tiny_args(corpus_jsonl, tmp_path, *COMMON, "--training.steps", "6", "--checkpoint.interval", "2",
+                                    "--checkpoint.keep_latest_k", "0", *extra)
+    torchrun(1, args())
+    crash("between_renames", args("--checkpoint.load_step", "2"))
+    assert not (tmp_path / "checkpoint" / "step-4").exists()
+    out = torchrun(1, args("--checkpoint.load_step", "4"))
+    assert f"loaded checkpoint {tmp_path / 'checkpoint' / 'step-4'} (" in out.stdout and " at step 4" in out.stdout, out.stdout[-2000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6"]
+
+
+def test_metadata_that_would_patch_a_class_is_refused(tmp_path):
+    """Protocol-0 pickle: a DCP metadata class, then BUILD with {'__eq__': None}, which would set the
+    attribute on the class itself for the whole process."""
+    from titanlite.checkpoint import read_metadata_safely
+    from titanlite.config import ConfigError
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(b"ctorch.distributed.checkpoint.metadata\nTensorStorageMetadata\n}(X\x06\x00\x00\x00__eq__Nub.")
+    with pytest.raises(ConfigError, match="sets attributes of <class"):
+        read_metadata_safely(path)
+    assert TensorStorageMetadata.__eq__ is not None
 
 
 def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):

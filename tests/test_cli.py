@@ -119,3 +119,15 @@ def test_parallel_layouts_match_one_process_through_the_cli(corpus_jsonl, tmp_pa
     for name, curve in losses.items():
         diff = curve_difference(curve, losses["single"])
         assert diff < 1e-4, f"{name}: {curve} vs {losses['single']} (max diff {diff:.2e})"
+
+
+def test_the_launcher_reports_the_latest_attempt_only():
+    """torchrun restarts a failed job: a config error of attempt 0 must not stand for attempt 1's
+    death by a signal, which keeps torchrun's own report (and exit code 1)."""
+    launch = [sys.executable, "-m", "titanlite.torchrun", "--standalone", "--nproc_per_node", "1"]
+    worker = str(REPO / "tests" / "fail_by_attempt.py")
+    once = run_command([*launch, "--max-restarts", "0", worker], cwd=REPO)
+    assert once.returncode == 2 and once.stderr.strip() == "titanlite: config error: attempt 0 says so", once.stderr
+    restarted = run_command([*launch, "--max-restarts", "1", worker], cwd=REPO)
+    assert restarted.returncode == 1 and "attempt 0 says so" not in restarted.stderr, restarted.stderr
+    assert "Signal 9 (SIGKILL)" in restarted.stderr, restarted.stderr

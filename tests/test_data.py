@@ -129,3 +129,13 @@ def test_sequence_split_gives_every_layout_the_same_global_batches(corpus_jsonl)
         x, y = next(whole)
         parts = [next(h) for h in halves]
         assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+
+
+def test_a_rank_without_documents_fails_instead_of_spinning(tmp_path):
+    """One document over 2 data-parallel ranks with data_split='documents': rank 1 reads none, and
+    reading the stream again and again would never give it a window (its peers would wait forever)."""
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"text": "a single document"}\n')
+    loader = build_dataloader(config_for(one), ByteTokenizer(), dp_rank=1, dp_degree=2)
+    with pytest.raises(ConfigError, match="holds no document for this data-parallel rank"):
+        next(iter(loader))

@@ -64,7 +64,7 @@ def test_the_repository_speaks_of_itself_alone():
     import subprocess
 
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    outside = re.compile(r"\bshared/(notes|tools|ARCHITECTURE)|\.\./shared|\blent\b|\bsessions?\b", re.IGNORECASE)
+    outside = re.compile(r"\bshared/(notes|tools|ARCHITECTURE)|\.\./shared|\blent\b", re.IGNORECASE)
     found = []
     for name in files:
         if name.startswith("titanlite/assets/") or name.endswith(".png") or name == "tests/test_scripts.py":

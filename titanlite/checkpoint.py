@@ -16,20 +16,18 @@ so a crash mid-save leaves the previous checkpoint as the latest complete one.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import importlib
 import json
 import pickle
 import shutil
 import time
+import types
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -55,51 +53,74 @@ def tensor_json(t: torch.Tensor):
     return json.loads(bytes(t.tolist()).decode())
 
 
-# Module -> names a DCP metadata pickle may reference (beyond the dataclasses and enums of DCP's
-# metadata modules, and torch dtypes).
+# What a DCP metadata pickle references: DCP's metadata classes, sizes, dtypes, layouts, paths.
 METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},  # a layout by its name
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
-DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+# BUILD on these would set attributes of code or of a class for the whole process.
+NOT_BUILDABLE = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (its opcodes can be overridden), limited to METADATA_GLOBALS and
+    refusing to set attributes on anything but plain instances."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str):
+        if module == "torch" and name in TORCH_DTYPES:
+            return TORCH_DTYPES[name]
         if name in METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" or module in DCP_METADATA_MODULES:
-            value = getattr(importlib.import_module(module), name, None)
-            is_metadata_class = isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
-            if isinstance(value, torch.dtype) or (module in DCP_METADATA_MODULES and is_metadata_class):
-                return value
         raise pickle.UnpicklingError(f"it references {module}.{name}")
 
+    def load_build(self):
+        if isinstance(self.stack[-2], NOT_BUILDABLE):
+            raise pickle.UnpicklingError(f"it sets attributes of {self.stack[-2]!r}")
+        super().load_build()
 
-def check_metadata(folder: Path) -> None:
-    """Unpickle `folder/.metadata` with the allow-list; ConfigError naming the file if it references
-    anything else (a crafted file could run code through pickle)."""
-    path = Path(folder) / ".metadata"
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def read_metadata_safely(path: Path) -> Metadata:
+    """DCP's metadata from `path` through the allow-list; ConfigError naming the file for anything
+    else (a crafted file could run code through pickle)."""
     try:
         with open(path, "rb") as f:
-            _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise ConfigError(f"checkpoint path '{folder}' holds no complete DCP checkpoint (no .metadata)")
-    except (pickle.UnpicklingError, AttributeError, ImportError, EOFError, ValueError, TypeError) as e:
+        raise ConfigError(f"checkpoint path '{path.parent}' holds no complete DCP checkpoint (no {path.name})")
+    except Exception as e:  # a malformed or hostile pickle fails in many ways; each one is refused
+        metadata = e
+    if not isinstance(metadata, Metadata):
+        reason = metadata if isinstance(metadata, Exception) else f"it holds a {type(metadata).__name__}"
         raise ConfigError(
-            f"checkpoint metadata '{path}' is not plain DCP metadata ({e}); refusing to load it, since unpickling "
-            "it could run code. Use a checkpoint written by torch.distributed.checkpoint"
+            f"checkpoint metadata '{path}' is not plain DCP metadata ({reason}); refusing to load it, since "
+            "unpickling it could run code. Use a checkpoint written by torch.distributed.checkpoint"
         )
+    return metadata
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader, which checks the metadata pickle with the allow-list before DCP loads it."""
+    """DCP's file reader, with the metadata read by `read_metadata_safely` (DCP's own reader unpickles
+    it with no limits)."""
 
-    def read_metadata(self, *args, **kwargs):
-        check_metadata(Path(self.path))
-        return super().read_metadata(*args, **kwargs)
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        metadata = read_metadata_safely(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def read_tensor_metadata(path: Path, parts) -> tuple[SafeFileSystemReader, dict]:
@@ -159,10 +180,16 @@ class Checkpointer:
             self.remove_unfinished()
 
     def remove_unfinished(self) -> None:
-        """Saves and removals that a crash cut short are never loaded: free their space."""
+        """Clean up after a crash: saves and removals it cut short are never loaded, so they go; a
+        checkpoint that was being replaced by a new save of its step comes back if the new one did not."""
         if self.folder.is_dir():
             for path in self.folder.iterdir():
-                if UNFINISHED_DIR.match(path.name):
+                if not (m := UNFINISHED_DIR.match(path.name)):
+                    continue
+                original = self.folder / m.group(1)
+                if m.group(2) == "replaced" and not original.exists():
+                    path.rename(original)
+                else:
                     shutil.rmtree(path, ignore_errors=True)
 
     # ---- what is saved ----
@@ -230,9 +257,13 @@ class Checkpointer:
         """Make a fully written checkpoint visible (atomic rename), then drop the oldest ones."""
         if not self.is_coordinator:
             return
-        if final.exists():  # the same step saved again (e.g. a model-only last save)
-            discard(final)
-        tmp.rename(final)
+        if final.exists():  # the same step saved again (a run rewound with load_step): keep the old one
+            replaced = final.with_name(final.name + ".replaced")  # until the new one is in place
+            final.rename(replaced)
+            tmp.rename(final)
+            shutil.rmtree(replaced)
+        else:
+            tmp.rename(final)
         if self.c.keep_latest_k > 0:
             for step in complete_steps(self.folder)[: -self.c.keep_latest_k]:
                 discard(self.folder / f"step-{step}")

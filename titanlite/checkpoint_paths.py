@@ -9,7 +9,8 @@ from pathlib import Path
 from titanlite.config import ConfigError, JobConfig
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-UNFINISHED_DIR = re.compile(r"^step-\d+\.(tmp|deleting)$")  # a save or a removal a crash cut short
+# A save (tmp), a removal (deleting) or a replacement (replaced) that a crash may have cut short.
+UNFINISHED_DIR = re.compile(r"^(step-\d+)\.(tmp|deleting|replaced)$")
 
 
 def checkpoint_folder(config: JobConfig) -> Path:
@@ -17,10 +18,15 @@ def checkpoint_folder(config: JobConfig) -> Path:
 
 
 def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete checkpoint (renamed from .tmp and holding DCP's metadata), oldest first."""
+    """Steps with a complete checkpoint (renamed from .tmp and holding DCP's metadata), oldest first;
+    also one moved aside for a new save of its step that a crash cut short (put back at start)."""
     if not folder.is_dir():
         return []
-    steps = [int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").exists()]
+    steps = set()
+    for path in folder.iterdir():
+        name = path.name.removesuffix(".replaced")
+        if (m := STEP_DIR.match(name)) and (path / ".metadata").exists():
+            steps.add(int(m.group(1)))
     return sorted(steps)
 
 

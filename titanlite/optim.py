@@ -59,14 +59,14 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> t
 @torch.no_grad()
 def reduce_partial_grads(params) -> None:
     """Sum gradients that are still pending sums over a mesh dim (`Partial`), once, in one all-reduce
-    per mesh and placement. Under tensor parallel without FSDP, sequence-parallel norm weights are
+    per mesh, placement and dtype. Under tensor parallel without FSDP, sequence-parallel norm weights are
     replicated and their gradients arrive Partial over tp; left so, the grad norm and the optimizer
     step would each all-reduce them."""
     pending = defaultdict(list)
     for p in params:
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
-            pending[(p.grad.device_mesh, p.grad.placements)].append(p)
-    for (mesh, placements), group in pending.items():
+            pending[(p.grad.device_mesh, p.grad.placements, p.grad.dtype)].append(p)
+    for (mesh, placements, _), group in pending.items():
         locals_ = [p.grad.to_local() for p in group]
         flat = DTensor.from_local(torch.cat([g.flatten() for g in locals_]), mesh, placements, run_check=False)
         summed = flat.redistribute(mesh, summed_placements(placements)).to_local()

@@ -4,7 +4,7 @@
 
 A rank that stops on bad input only it can see (a config error: exit code 2) or on diverged training
 (exit code 1) writes its line into TITANLITE_ERROR_DIR instead of printing it. When the job fails,
-this prints the line of the lowest such rank, once, and exits with its code; torchrun's reports of
+this prints the line of the lowest such rank of the job's latest attempt, once, and exits with its code; torchrun's reports of
 that failure (its log lines and the ChildFailedError traceback) are left out. Any other failure
 keeps torchrun's report of which rank died and how, without the launcher's own Python traceback.
 """
@@ -21,18 +21,43 @@ from pathlib import Path
 ERROR_DIR = "TITANLITE_ERROR_DIR"
 
 
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers never see a half-written file (a rank may be stopped mid-write)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def start_attempt() -> None:
+    """Under this launcher: record that this attempt of the job started, so errors of an attempt
+    that torchrun then restarted are not reported as the job's."""
+    folder = os.environ.get(ERROR_DIR)
+    if folder:
+        _write_atomically(Path(folder, "attempt"), str(_attempt()))
+
+
 def write_error(message: str, code: int) -> bool:
     """Under this launcher: leave the rank's line for it and return True; else return False."""
     folder = os.environ.get(ERROR_DIR)
     if not folder:
         return False
     rank = int(os.environ.get("RANK", "0"))
-    Path(folder, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "message": message}))
+    record = {"rank": rank, "code": code, "message": message}
+    _write_atomically(Path(folder, f"attempt{_attempt()}.rank{rank}.json"), json.dumps(record))
     return True
 
 
 def first_error(folder: str) -> dict | None:
-    errors = [json.loads(p.read_text()) for p in Path(folder).glob("rank*.json")]
+    """The lowest rank's error in the latest attempt, or None."""
+    try:
+        attempt = int(Path(folder, "attempt").read_text())
+    except (OSError, ValueError):
+        return None
+    errors = [json.loads(p.read_text()) for p in Path(folder).glob(f"attempt{attempt}.rank*.json")]
     return min(errors, key=lambda e: e["rank"]) if errors else None
 
 

@@ -36,7 +36,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
 from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
 from titanlite.profiling import Profiler
-from titanlite.torchrun import write_error
+from titanlite.torchrun import start_attempt, write_error
 
 IGNORE_INDEX = -100
 
@@ -64,10 +64,13 @@ def init_distributed(dry_run: bool, init_timeout: int = 300) -> torch.device:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # After torchrun restarts a failed job, the agent's store still holds the dead attempt's gloo
-    # addresses under the default prefix; a prefix per attempt keeps the new ranks from waiting on them.
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=init_timeout)))
-    store = dist.PrefixStore(f"titanlite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The workers share torchrun's agent store, which outlives a restart and still holds the dead
+        # attempt's gloo addresses: a prefix per attempt keeps the new ranks from waiting on them. (It
+        # only works on one node: nodes count restarts apart. run_train.sh sets
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every attempt a fresh store instead.)
+        store = dist.PrefixStore(f"titanlite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
     return device
 
@@ -420,6 +423,7 @@ def report(message: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> None:
     code = 0
     exit_with_launcher()
+    start_attempt()
     try:
         config = parse_args(argv)
         device = init_distributed(config.job.dry_run, config.comm.init_timeout_seconds)

@@ -70,7 +70,8 @@ class TokenWindows(IterableDataset, Stateful):
     def __iter__(self):
         window = self.seq_len + 1
         while True:
-            for doc in self.documents:
+            documents = 0
+            for documents, doc in enumerate(self.documents, 1):
                 if self.text_field not in doc:
                     raise ConfigError(
                         f"training.dataset_text_field='{self.text_field}' is not a column of the dataset; "
@@ -86,6 +87,11 @@ class TokenWindows(IterableDataset, Stateful):
                         yield tokens[:-1], tokens[1:]
             if not self.infinite:
                 return
+            if documents == 0:  # another pass would read nothing again, forever
+                raise ConfigError(
+                    "training.dataset holds no document for this data-parallel rank (data_split='documents' gives each "
+                    "rank its own documents, and there are too few); use more documents or training.data_split='sequences'"
+                )
             self.epoch += 1
             # A resumed HF stream restarts from its loaded state; rewind it to the beginning.
             self.documents.load_state_dict(self._start)
