@@ -1,5 +1,6 @@
 """Config: TOML loading, CLI overrides and their precedence, errors (exit 2, one line), --help."""
 
+import re
 import subprocess
 import sys
 
@@ -112,3 +113,16 @@ def test_config_check_exits_2_with_one_line():
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "tensor_parallel_degree" not in out.stdout
     assert "do not divide the world size 4" in out.stderr
+
+
+def test_a_torch_outside_the_tested_range_is_refused_in_one_line():
+    from titanlite import SUPPORTED_TORCH, check_torch_version
+
+    for ok in ("2.11.0", "2.13.0+cpu", "2.14.1"):
+        check_torch_version(ok)
+    for bad in ("2.10.2", "2.15.0", "3.0.0.dev20270101"):
+        with pytest.raises(ImportError, match=rf"works with torch 2.11 to 2.14, not {re.escape(bad)}; pip install"):
+            check_torch_version(bad)
+    # The same range as the package's dependency.
+    low, high = SUPPORTED_TORCH
+    assert f'"torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}"' in (REPO / "pyproject.toml").read_text()

@@ -5,10 +5,10 @@ stage's RoPE table along the sequence (head-tail load balancing: with cp ranks t
 into 2*cp chunks and rank r holds chunks r and 2cp-1-r, so the causal work is even), and routes
 SDPA to a ring over the cp group whose KV shards rotate by all-gather or all-to-all.
 
-torch (2.11 to 2.13) registers ring handlers only for the CUDA SDPA kernels. On CPU,
+torch (2.11 to 2.14) registers ring handlers only for the CUDA SDPA kernels. On CPU,
 `register_cpu_ring_attention` sends the CPU flash-attention kernel (forward and backward) through
 the same ring (torch's `_templated_ring_attention`), so CPU runs compute the same exact attention.
-These are private torch APIs (looked up where 2.11-2.13 keep them); the parity tests pin their
+These are private torch APIs (looked up where 2.11-2.14 keep them); the parity tests pin their
 behaviour for the installed torch.
 """
 
