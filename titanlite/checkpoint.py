@@ -112,11 +112,19 @@ def read_metadata_safely(path: Path) -> Metadata:
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader, with the metadata read by `read_metadata_safely` (DCP's own reader unpickles
-    it with no limits)."""
+    it with no limits), once per file: our entry check and dcp.load both ask for it, and the
+    pure-Python unpickler is slow on the metadata of a large sharded model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._metadata: dict[Path, Metadata] = {}
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
-        metadata = read_metadata_safely(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        if path not in self._metadata:
+            self._metadata[path] = read_metadata_safely(path)
+        metadata = self._metadata[path]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

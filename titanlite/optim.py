@@ -67,15 +67,12 @@ def reduce_partial_grads(params) -> None:
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
             pending[(p.grad.device_mesh, p.grad.placements, p.grad.dtype)].append(p)
     for (mesh, placements, _), group in pending.items():
+        summed_placements = [Replicate() if pl.is_partial() else pl for pl in placements]
         locals_ = [p.grad.to_local() for p in group]
         flat = DTensor.from_local(torch.cat([g.flatten() for g in locals_]), mesh, placements, run_check=False)
-        summed = flat.redistribute(mesh, summed_placements(placements)).to_local()
+        summed = flat.redistribute(mesh, summed_placements).to_local()
         for p, local, piece in zip(group, locals_, summed.split([g.numel() for g in locals_])):
-            p.grad = DTensor.from_local(piece.view_as(local), mesh, summed_placements(placements), run_check=False)
-
-
-def summed_placements(placements) -> tuple:
-    return tuple(Replicate() if pl.is_partial() else pl for pl in placements)
+            p.grad = DTensor.from_local(piece.view_as(local), mesh, summed_placements, run_check=False)
 
 
 @torch.no_grad()

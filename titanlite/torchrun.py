@@ -4,9 +4,10 @@
 
 A rank that stops on bad input only it can see (a config error: exit code 2) or on diverged training
 (exit code 1) writes its line into TITANLITE_ERROR_DIR instead of printing it. When the job fails,
-this prints the line of the lowest such rank of the job's latest attempt, once, and exits with its code; torchrun's reports of
-that failure (its log lines and the ChildFailedError traceback) are left out. Any other failure
-keeps torchrun's report of which rank died and how, without the launcher's own Python traceback.
+this prints the line of the lowest such rank of the job's latest attempt, once, and exits with its
+code; torchrun's reports of that failure (its log lines and the ChildFailedError traceback) are left
+out. Any other failure keeps torchrun's report of which rank died and how, without the launcher's
+own Python traceback.
 """
 
 from __future__ import annotations
