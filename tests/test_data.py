@@ -1,6 +1,7 @@
 """Data: local formats, the built-in corpus, packing, per-rank disjoint reads, exact loader resume,
 and a fast, clear failure for hub names without network."""
 
+import signal
 import time
 
 import pytest
@@ -137,5 +138,15 @@ def test_a_rank_without_documents_fails_instead_of_spinning(tmp_path):
     one = tmp_path / "one.jsonl"
     one.write_text('{"text": "a single document"}\n')
     loader = build_dataloader(config_for(one), ByteTokenizer(), dp_rank=1, dp_degree=2)
-    with pytest.raises(ConfigError, match="holds no document for this data-parallel rank"):
-        next(iter(loader))
+
+    def spinning(signum, frame):
+        raise AssertionError("the loader kept reading an empty stream")
+
+    previous = signal.signal(signal.SIGALRM, spinning)  # a regression would spin, not fail: bound it
+    signal.alarm(60)
+    try:
+        with pytest.raises(ConfigError, match="holds no document for this data-parallel rank"):
+            next(iter(loader))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
