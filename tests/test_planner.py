@@ -26,11 +26,16 @@ def measured_peak_gib(corpus, folder, nproc, *extra) -> float:
 @pytest.mark.slow
 def test_memory_estimate_within_15_percent_of_measured_peak(corpus_jsonl, tmp_path):
     # The runtime's own memory (Python, torch, gloo, data pipeline) is a constant the planner takes
-    # as given: measured here as a tiny run's peak minus the planner's estimate of that tiny run.
+    # as given: measured here as a tiny run's peak minus the planner's estimate of that tiny run, on
+    # as many ranks as the layout (each rank's gloo groups of the mesh cost memory too: ~0.05-0.1 GiB
+    # more on 2 ranks than on 1, which made the 2-rank layouts look under-predicted by that much).
     tiny = ["--model.n_layers", "1", "--training.seq_len", "16", "--training.local_batch_size", "1"]
     args = model_args("llama3", "debugmodel", 259, 16, n_layers=1)
-    baseline = measured_peak_gib(corpus_jsonl, tmp_path / "tiny", 1, *tiny) * GIB - estimate(
-        args, 16, 1, CPU, Layout(), act_bytes=4, overhead=0).memory_total
+    baseline = {
+        nproc: measured_peak_gib(corpus_jsonl, tmp_path / f"tiny{nproc}", nproc, *tiny) * GIB - estimate(
+            args, 16, nproc, CPU, Layout(dp_shard=nproc), act_bytes=4, overhead=0).memory_total
+        for nproc in (1, 2)
+    }
 
     args = model_args("llama3", "debugmodel", 259, SEQ)
     shape = ["--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH)]
@@ -44,7 +49,7 @@ def test_memory_estimate_within_15_percent_of_measured_peak(corpus_jsonl, tmp_pa
     for name, (nproc, extra, layout) in layouts.items():
         measured = measured_peak_gib(corpus_jsonl, tmp_path / name.replace(" ", "_"), nproc, *shape, *extra)
         global_batch = BATCH * layout.dp_shard
-        predicted = estimate(args, SEQ, global_batch, CPU, layout, act_bytes=4, overhead=baseline).memory_total / GIB
+        predicted = estimate(args, SEQ, global_batch, CPU, layout, act_bytes=4, overhead=baseline[nproc]).memory_total / GIB
         report[name] = (round(measured, 3), round(predicted, 3))
     print(json.dumps(report))
     for name, (measured, predicted) in report.items():
