@@ -30,12 +30,14 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 if [ "$NGPU" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 
 # Check the config (and --help) before starting any process: bad input fails here in one line.
-WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --job.config_file "$CONFIG_FILE" "$@"
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --job.config_file "$CONFIG_FILE" "$@" ${COMM_MODE:+--comm.mode "$COMM_MODE"}
 for arg in "$@"; do case "$arg" in -h|--help) exit 0 ;; esac; done
 
-if [ "$COMM_MODE" = "fake_backend" ]; then
-    WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" --job.dry_run "$@"
+if [ -n "$COMM_MODE" ]; then  # fake_backend: a dry run in this one process (as TorchTitan's COMM_MODE)
+    WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" --comm.mode "$COMM_MODE"
 fi
+# Ranks write to pipes under torchrun: tell them whether the console line may be coloured.
+if [ -t 1 ]; then export TITANLITE_COLOR=${TITANLITE_COLOR:-1}; fi
 
 if [ "$NNODES" -gt 1 ]; then
     RENDEZVOUS=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d

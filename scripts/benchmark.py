@@ -43,7 +43,7 @@ TP, PP, CP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_par
 # Llama 3 8B's block shape (dim 4096, 32 heads, 8 kv heads, ffn 14336) with 8 of its 32 blocks: one GPU.
 GPU_SHAPE = ["--model.flavor", "8B", "--model.n_layers", "8", "--training.seq_len", "8192", "--training.local_batch_size", "1",
              "--training.mixed_precision_param", "bfloat16"]
-COMPILE, FLOAT8 = ["--compile.enable"], ["--float8.enable"]
+COMPILE, FLOAT8 = ["--compile.enable"], ["--model.converters", "float8"]
 
 PRESETS = {
     "cpu": (CPU_SHAPE, 2, [
@@ -58,7 +58,7 @@ PRESETS = {
         Run("bf16", 1),
         Run("bf16_compile", 1, COMPILE),
         Run("float8_tensorwise_compile", 1, COMPILE + FLOAT8),
-        Run("float8_rowwise_compile", 1, COMPILE + FLOAT8 + ["--float8.recipe_name", "rowwise"]),
+        Run("float8_rowwise_compile", 1, COMPILE + FLOAT8 + ["--quantize.linear.float8.recipe_name", "rowwise"]),
         Run("bf16_compile_ac_op", 1, COMPILE + ["--activation_checkpoint.mode", "selective"]),
         Run("bf16_compile_ac_full", 1, COMPILE + ["--activation_checkpoint.mode", "full"]),
     ]),
@@ -70,7 +70,7 @@ PRESETS = {
 def trainer_args(shape: list[str], run: Run, tokenizer: str, dataset: str, steps: int, folder: Path) -> list[str]:
     return [
         "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", tokenizer, "--training.dataset", dataset, "--training.steps", str(steps),
+        "--model.hf_assets_path", tokenizer, "--training.dataset", dataset, "--training.steps", str(steps),
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
         "--validation.enable", "false", "--checkpoint.enable", "false",
         *shape, *run.overrides, "--job.dump_folder", str(folder),
@@ -91,9 +91,9 @@ def bare_loop(args: list[str], steps: int, warmup: int) -> float:
 
     config = parse_args(args)
     t = config.training
-    tokenizer = build_tokenizer(config.model.tokenizer_path)
+    tokenizer = build_tokenizer(*reversed(config.tokenizer))
     model = Transformer(model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, t.seq_len, config.model.n_layers))
-    model.init_weights(t.seed)
+    model.init_weights(config.debug.seed or 0)
     optimizer = build_optimizer(model.parameters(), config)
     batches = [b for _, b in zip(range(steps), build_dataloader(config, tokenizer, 0, 1))]
     start = 0.0

@@ -16,26 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanlite.checkpoint import read_tensor_metadata
+from titanlite.checkpoint import read_model_weights
 from titanlite.config import ConfigError
 from titanlite.hf import load_hf, save_hf
 from titanlite.models.args import LLAMA3_FLAVORS
 
 
-def read_model(checkpoint: Path) -> dict:
-    """The model weights of a DCP checkpoint as full tensors (any layout saved them)."""
-    reader, metadata = read_tensor_metadata(checkpoint, {"model"})
-    state = {
-        key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-        for key, m in metadata.items()
-        if key.startswith("model.")
-    }
-    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
-    return state
-
-
 def to_hf(args) -> None:
-    state = read_model(args.checkpoint)
+    state = read_model_weights(args.checkpoint)
     vocab, dim = state["tok_embeddings.weight"].shape
     n_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
     model_args = replace(LLAMA3_FLAVORS[args.flavor], vocab_size=vocab, max_seq_len=args.max_seq_len)

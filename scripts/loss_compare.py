@@ -7,7 +7,7 @@
         --assert-within 1e-4
 
     # bf16 vs float8 recipes, 150 steps of the default config:
-    python scripts/loss_compare.py --steps 150 --run bf16 1 "" --run tensorwise 1 "--float8.enable --float8.emulate" ...
+    python scripts/loss_compare.py --steps 150 --run bf16 1 "" --run tensorwise 1 "--model.converters float8 --quantize.linear.float8.emulate" ...
 
     # two finished runs:
     python scripts/loss_compare.py --metrics a outputs/a/metrics.jsonl --metrics b outputs/b/metrics.jsonl

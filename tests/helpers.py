@@ -26,7 +26,7 @@ def tiny_args(dataset: Path, dump_folder: Path, *extra: str) -> list[str]:
     """CLI args of a tiny, fast run: byte tokenizer, short sequences, no TensorBoard, fixed MFU peak."""
     return [
         "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--model.tokenizer_path", "byte",
+        "--model.hf_assets_path", "byte",
         "--training.dataset", str(dataset),
         "--training.seq_len", "32",
         "--training.local_batch_size", "2",
@@ -36,6 +36,8 @@ def tiny_args(dataset: Path, dump_folder: Path, *extra: str) -> list[str]:
         "--metrics.peak_flops", "1e12",
         "--metrics.enable_tensorboard", "false",
         "--validation.enable", "false",
+        "--validation.seq_len", "32",
+        "--validation.local_batch_size", "2",
         "--job.dump_folder", str(dump_folder),
         *extra,
     ]

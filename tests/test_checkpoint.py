@@ -153,7 +153,7 @@ def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):
 
 def test_async_save_of_a_float8_fsdp_run_resumes_exactly(corpus_jsonl, tmp_path):
     """Also: float8 all-gather weights (a tensor subclass) are saved as plain tensors and restored."""
-    float8 = ["--float8.enable", "--float8.emulate", "--float8.enable_fsdp_float8_all_gather"]
+    float8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.enable_fsdp_float8_all_gather"]
     args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, *float8, "--training.steps", str(steps),
                                             "--checkpoint.interval", "3", "--checkpoint.async_mode", "async",
                                             "--checkpoint.keep_latest_k", "2")
@@ -171,11 +171,11 @@ def test_async_save_of_a_float8_fsdp_run_resumes_exactly(corpus_jsonl, tmp_path)
 
 def test_seed_checkpoint_gives_every_layout_the_same_start(corpus_jsonl, tmp_path):
     seed = tmp_path / "seed"
-    torchrun(1, tiny_args(corpus_jsonl, seed, "--checkpoint.create_seed_checkpoint", "--training.seed", "7"))
+    torchrun(1, tiny_args(corpus_jsonl, seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7"))
     assert (seed / "checkpoint" / "step-0" / ".metadata").exists()
     from_seed = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"), "--training.steps", "1",
                  "--training.data_split", "sequences"]
-    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "ref7", "--training.seed", "7", "--training.steps", "1",
+    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "ref7", "--debug.seed", "7", "--training.steps", "1",
                           "--training.local_batch_size", "4", "--training.data_split", "sequences"))
     torchrun(2, tiny_args(corpus_jsonl, tmp_path / "fsdp2", *from_seed))  # its own seed (42) is overridden
     assert abs(losses(tmp_path / "fsdp2")[1] - losses(tmp_path / "ref7")[1]) < 1e-5

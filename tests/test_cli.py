@@ -64,7 +64,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
              "--parallelism.pipeline_parallel_layers_per_stage", "1"], "needs exactly 2 stages per rank"),
         # The run's inputs, checked before launch too.
         (1, ["--training.dataset", str(tmp_path / "missing.jsonl")], "missing.jsonl' matches no files"),
-        (1, ["--model.tokenizer_path", str(tmp_path / "tokenizer.json")], "is not a file or a folder with tokenizer.json"),
+        (1, ["--model.hf_assets_path", str(tmp_path / "tokenizer.json")], "is not a file or a folder with tokenizer.json"),
         (1, ["--training.dataset", "allenai/c4"], "is a Hugging Face hub dataset, but HF_HUB_OFFLINE"),
         (2, ["--training.global_batch_size", "12"], "not a multiple of local_batch_size x dp = 8 x 2"),
         (1, ["--checkpoint.enable", "--checkpoint.load_step", "7", "--job.dump_folder", str(tmp_path)], "load_step=7 has no complete checkpoint"),

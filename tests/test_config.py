@@ -1,5 +1,6 @@
 """Config: TOML loading, CLI overrides and their precedence, errors (exit 2, one line), --help."""
 
+import json
 import re
 import subprocess
 import sys
@@ -30,7 +31,9 @@ def test_cli_forms():
             "--validation.enable",  # bare boolean
             "--metrics.enable_tensorboard", "false",
             "--compile.components", "model",
-            "--float8.filter_fqns=output,attention.wq",
+            "--quantize.linear.float8.filter_fqns=output,attention.wq",
+            "--checkpoint.no_initial_load_model_only",  # TorchTitan's negated boolean
+            "--parallelism.module_fqns_per_model_part", '[["tok_embeddings", "layers.0"], ["norm", "output"]]',
             "--lr_scheduler.decay_ratio", "0.2",
         ]
     )
@@ -38,14 +41,83 @@ def test_cli_forms():
     assert config.validation.enable is True
     assert config.metrics.enable_tensorboard is False
     assert config.compile.components == ["model"]
-    assert config.float8.filter_fqns == ["output", "attention.wq"]
+    assert config.quantize.linear.float8.filter_fqns == ["output", "attention.wq"]
+    assert config.checkpoint.initial_load_model_only is False
+    assert config.parallelism.module_fqns_per_model_part == [["tok_embeddings", "layers.0"], ["norm", "output"]]
     assert config.lr_scheduler.decay_ratio == 0.2
     assert parse_args(["--lr_scheduler.decay_ratio", "none"]).lr_scheduler.decay_ratio is None
 
 
-def test_torchtitan_location_of_mixed_precision_is_accepted():
-    config = parse_args(["--parallelism.mixed_precision_param", "bfloat16"])
-    assert config.training.mixed_precision_param == "bfloat16"
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("--float8.enable", 'model.converters = ["float8"]'),
+        ("--float8.emulate", "quantize.linear.float8.emulate"),
+        ("--training.seed=3", "debug.seed"),
+        ("--job.dry_run", 'comm.mode = "fake_backend"'),
+        ("--parallelism.mixed_precision_param=float32", "training.mixed_precision_param"),
+    ],
+)
+def test_names_outside_the_torchtitan_schema_point_to_theirs(old, new):
+    with pytest.raises(ConfigError, match=re.escape(f"is not in the TorchTitan v0.2 schema titanlite uses; use {new}")):
+        parse_args([old])
+
+
+def test_schema_has_every_torchtitan_v0_2_2_key_with_its_default():
+    """tests/torchtitan_v0_2_2_keys.json is scripts/torchtitan_schema.py's list of TorchTitan v0.2.2's
+    keys and defaults. Defaults differ only where the behaviour does, for the reason given."""
+    from titanlite.config import LEAVES, _default
+
+    torchtitan = json.loads((REPO / "tests" / "torchtitan_v0_2_2_keys.json").read_text())
+    assert len(torchtitan) == 149
+    different = {
+        "model.hf_assets_path": "TorchTitan's test tokenizer folder; ours is bundled",
+        "training.dataset": "TorchTitan's c4_test is a file of its repository; ours is bundled",
+        "validation.dataset": "TorchTitan's c4_validation; ours is the held-out part of training.dataset",
+        "training.mixed_precision_param": "auto is bfloat16 on GPU (TorchTitan's) and float32 on CPU",
+    }
+    for key, default in torchtitan.items():
+        assert key in LEAVES, key
+        assert _default(LEAVES[key][0]) == default or key in different, (key, default)
+    assert all(_default(LEAVES[key][0]) != torchtitan[key] for key in different)
+    ours = {key for key in LEAVES if key not in torchtitan}
+    assert ours == {key for key, (f, _) in LEAVES.items() if f.metadata["extension"]}
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--fault_tolerance.enable"], ["fault_tolerance.enable=True is not implemented", "default False", "TorchFT"]),
+        (["--quantize.linear.mx.recipe_name", "mxfp8_emulated"], ["quantize.linear.mx.recipe_name='mxfp8_emulated'", "float8"]),
+        (["--model.converters", "float8,mx"], ["model.converters=['float8', 'mx']", "'mx' is not implemented", "float8"]),
+        (["--activation_checkpoint.mode", "memory_budget"], ["'memory_budget' is not implemented", "'selective' or 'full'"]),
+        (["--parallelism.context_parallel_load_balancer", "ptrr"], ["'ptrr' is not implemented", "headtail"]),
+        (["--comm.mode", "local_tensor"], ["'local_tensor' is not implemented", "fake_backend"]),
+        (["--parallelism.expert_parallel_degree", "2"], ["expert_parallel_degree=2", "mixture-of-experts"]),
+    ],
+)
+def test_an_unimplemented_torchtitan_value_is_refused_in_one_line(args, words):
+    with pytest.raises(ConfigError) as err:
+        parse_args(args)
+    assert "\n" not in str(err.value)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_torchtitan_nested_sections_load(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        '[model]\nconverters = ["float8"]\n[quantize.linear.float8]\nemulate = true\nrecipe_name = "rowwise"\n'
+        '[training]\nsteps = 3\n[training.dataloader]\nnum_workers = 2\npin_memory = true\n[debug]\nseed = 5\n'
+    )
+    config = parse_args(["--job.config_file", str(toml)])
+    assert config.float8.emulate and config.float8.recipe_name == "rowwise"
+    assert config.training.dataloader.num_workers == 2 and config.training.dataloader.pin_memory
+    assert config.training.steps == 3 and config.debug.seed == 5
+    assert parse_args([]).float8 is None  # no converter, no float8
+    toml.write_text("[quantize.linear.float9]\nemulate = true\n")
+    with pytest.raises(ConfigError, match="did you mean 'quantize.linear.float8'"):
+        parse_args(["--job.config_file", str(toml)])
 
 
 @pytest.mark.parametrize(
@@ -61,11 +133,19 @@ def test_torchtitan_location_of_mixed_precision_is_accepted():
         (["--parallelism.data_parallel_shard_degree", "0"], ["data_parallel_shard_degree=0", "-1"]),
         (["--job.config_file", "/nonexistent.toml"], ["/nonexistent.toml", "does not exist"]),
         (["stray"], ["unexpected argument 'stray'"]),
-        (["--float8.enable", "--float8.enable_fsdp_float8_all_gather", "--float8.recipe_name", "rowwise"],
-         ["float8.enable_fsdp_float8_all_gather", "'rowwise'", "tensorwise"]),
-        (["--float8.enable", "--float8.enable_fsdp_float8_all_gather", "--parallelism.tensor_parallel_degree", "2"],
+        (["--model.converters", "float8", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+          "--quantize.linear.float8.recipe_name", "rowwise"],
+         ["quantize.linear.float8.enable_fsdp_float8_all_gather", "'rowwise'", "tensorwise"]),
+        (["--model.converters", "float8", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+          "--parallelism.tensor_parallel_degree", "2"],
          ["tensor_parallel_degree", "precompute_float8_dynamic_scale_for_fsdp=true"]),
+        (["--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "false"],
+         ["last_save_in_hf=true saves weights only", "last_save_model_only=true"]),
+        (["--training.dataloader.prefetch_factor", "2"], ["training.dataloader.prefetch_factor", "num_workers > 0"]),
+        (["--validation.steps", "0"], ["validation.steps=0", "-1"]),
+        (["--quantize.linear", "1"], ["'quantize.linear' is a section"]),
         (["--compile.components", "model,optimizer"], ["compile.components", "'optimizer'", "model, loss"]),
+        (["--model.converters", "float9"], ["model.converters=['float9']", "choose from: float8"]),
     ],
 )
 def test_bad_input_names_key_value_and_fix(args, words):
@@ -90,19 +170,25 @@ def test_every_shipped_config_loads():
 
 
 def test_saved_config_round_trips(tmp_path):
-    config = parse_args(["--job.config_file", DEBUG, "--training.steps", "9", "--float8.filter_fqns", "output,w1"])
+    config = parse_args(["--job.config_file", DEBUG, "--training.steps", "9", "--quantize.linear.float8.filter_fqns", "output,w1"])
     config.save(tmp_path / "config.toml")
     again = parse_args(["--job.config_file", str(tmp_path / "config.toml")])
     assert again.to_dict() == config.to_dict() | {"job": again.to_dict()["job"]}
     assert load_toml(str(tmp_path / "config.toml"))["training"]["steps"] == 9
 
 
-def test_help_lists_every_key():
+def test_help_lists_every_key_and_marks_the_unimplemented():
+    from titanlite.config import LEAVES
+
     out = subprocess.run([sys.executable, "-m", "titanlite.preflight", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    for section, values in JobConfig().to_dict().items():
-        for key in values:
-            assert f"--{section}.{key}" in out.stdout
+    lines = out.stdout.splitlines()
+    for key, (f, _) in LEAVES.items():
+        (at,) = [i for i, line in enumerate(lines) if line.startswith(f"  --{key} = ")]
+        description = lines[at + 1]
+        assert description.strip().startswith("[not implemented]") == bool(f.metadata["not_implemented"]), key
+        assert description.strip().startswith("[titanlite]") == f.metadata["extension"], key
+    assert "  --quantize.linear.float8.emulate = false" in lines
 
 
 def test_config_check_exits_2_with_one_line():

@@ -108,7 +108,7 @@ def train_losses(recipes: list[str], dump_folder: str) -> dict:
 
     losses = {}
     for recipe in recipes:
-        extra = [] if recipe == "none" else ["--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe]
+        extra = [] if recipe == "none" else ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", recipe]
         config = parse_args([
             "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
             "--job.dump_folder", f"{dump_folder}/{recipe}", "--training.steps", "20", "--training.seq_len", "64",

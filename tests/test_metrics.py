@@ -18,7 +18,7 @@ def test_row_has_tokens_per_second_per_device_mfu_and_cost(tmp_path, monkeypatch
     clock = itertools.chain([100.0, 100.0], itertools.repeat(102.0))  # logger start and window start, then the log
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     # 4000 tokens in 2 s, shared by cp x tp x pp = 2 devices: 1000 tokens/s per device.
-    logger = MetricsLogger(config, torch.device("cpu"), flops_per_token=6_000_000, tokens_divisor=2, writes_files=True)
+    logger = MetricsLogger(config, torch.device("cpu"), flops_per_token=6_000_000, tokens_divisor=2, rank=0)
     logger.open(append=False)
     logger.record_step(tokens=4000, data_seconds=0.5)
     row = logger.log(step=1, loss=3.0, grad_norm=1.0, lr=1e-3, tokens_seen=4000)

@@ -62,7 +62,7 @@ def reduced(grad: torch.Tensor) -> torch.Tensor:
 
 
 def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_running: bool = False) -> dict:
-    from titanlite.config import parse_args
+    from titanlite.config import float8_recipe, parse_args
     from titanlite.data.dataset import build_dataloader
     from titanlite.float8 import convert_to_float8
     from titanlite.models.llama import Transformer, canonical_fqn
@@ -76,9 +76,9 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     t, o, s = config.training, config.optimizer, config.lr_scheduler
 
     reference = Transformer(trainer.model_parts[0].args)
-    reference.init_weights(t.seed)
-    if config.float8.enable:
-        convert_to_float8(reference, config.float8.recipe_name, config.float8.filter_fqns, config.float8.emulate)
+    reference.init_weights(trainer.seed)
+    if config.float8:
+        convert_to_float8(reference, float8_recipe(config.float8), config.float8.filter_fqns, config.float8.emulate)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
         reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
     )
@@ -114,7 +114,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         loss = trainer.compute_gradients(microbatches)
         # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
         # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
-        rows = t.local_batch_size if config.float8.enable else len(inputs)
+        rows = t.local_batch_size if config.float8 else len(inputs)
         ref_loss = sum(
             F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), reduction="sum")
             for x, y in zip(inputs.split(rows), labels.split(rows))
@@ -209,7 +209,7 @@ def check(results: list[dict]) -> None:
 
 
 TP = "--parallelism.tensor_parallel_degree"
-F8 = ["--float8.enable", "--float8.emulate"]
+F8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
 PP = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
 
 
@@ -232,15 +232,15 @@ CASES_2 = {
     # CP 2 alone compile and match too; the suite keeps FSDP 2 x TP 2 for time.)
     "fsdp2_compile_ac_op": ["--compile.enable", "--activation_checkpoint.mode", "selective"],
     # float8 (emulated matmuls: the same float8 rounding as _scaled_mm, fast on CPU).
-    "fsdp2_float8_all_gather": F8 + ["--float8.enable_fsdp_float8_all_gather"],
-    "fsdp2_float8_all_gather_precomputed": F8 + ["--float8.enable_fsdp_float8_all_gather",
-                                                 "--float8.precompute_float8_dynamic_scale_for_fsdp"],
-    "fsdp2_float8_rowwise": F8 + ["--float8.recipe_name", "rowwise"],
+    "fsdp2_float8_all_gather": F8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+    "fsdp2_float8_all_gather_precomputed": F8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                                                 "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
+    "fsdp2_float8_rowwise": F8 + ["--quantize.linear.float8.recipe_name", "rowwise"],
     "tp2_float8": F8 + [TP, "2"],
     "tp2_float8_no_sp": F8 + [TP, "2", "--parallelism.enable_sequence_parallel", "false"],
-    "tp2_float8_rowwise_with_gw_hp": F8 + [TP, "2", "--float8.recipe_name", "rowwise_with_gw_hp"],
+    "tp2_float8_rowwise_with_gw_hp": F8 + [TP, "2", "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp"],
     # Attention's projections filtered out of float8: its sequence-parallel gather stays exact.
-    "tp2_float8_attention_filtered": F8 + [TP, "2", "--float8.filter_fqns", "output,attention"],
+    "tp2_float8_attention_filtered": F8 + [TP, "2", "--quantize.linear.float8.filter_fqns", "output,attention"],
     "free_fsdp2": [],
     "free_tp2": [TP, "2"],
 }
@@ -251,7 +251,7 @@ CASES_PP2 = {
     "pp2_1f1b": PP + schedule("1F1B"),
     "pp2_1f1b_grad_accumulation": PP + schedule("1F1B") + ["--training.global_batch_size", "8"],
     "pp2_1f1b_explicit_stages": PP + schedule("1F1B") + [
-        "--parallelism.module_fqns_per_model_part", "tok_embeddings layers.0,layers.1 layers.2 layers.3 layers.4 layers.5 norm output"
+        "--parallelism.module_fqns_per_model_part", "[[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"layers.2\", \"layers.3\", \"layers.4\", \"layers.5\", \"norm\", \"output\"]]"
     ],
     "pp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
     "pp2_loopedbfs": PP + schedule("LoopedBFS"),
@@ -288,8 +288,8 @@ CASES_4 = {
     "pp2_fsdp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
     "pp2_tp2_1f1b": PP + [TP, "2"],
     "fsdp2_tp2_compile": [TP, "2", "--model.flavor", "debugmodel_gqa", "--compile.enable"],
-    "fsdp2_tp2_float8_all_gather": F8 + [TP, "2", "--model.flavor", "debugmodel_gqa", "--float8.enable_fsdp_float8_all_gather",
-                                         "--float8.precompute_float8_dynamic_scale_for_fsdp"],
+    "fsdp2_tp2_float8_all_gather": F8 + [TP, "2", "--model.flavor", "debugmodel_gqa", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                                         "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
     "free_fsdp2_tp2": [TP, "2", "--model.flavor", "debugmodel_gqa"],
     "free_hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
 }

@@ -25,7 +25,7 @@ def test_benchmark_smoke_preset_writes_rows_table_and_plot(tmp_path):
 
 @pytest.mark.slow
 def test_loss_compare_trains_from_one_seed_and_asserts(corpus_jsonl, tmp_path):
-    common = (f"--model.tokenizer_path byte --training.dataset {corpus_jsonl} --training.seq_len 32 "
+    common = (f"--model.hf_assets_path byte --training.dataset {corpus_jsonl} --training.seq_len 32 "
               "--training.data_split sequences --validation.enable false --metrics.enable_tensorboard false")
     script = [sys.executable, str(REPO / "scripts" / "loss_compare.py")]
     out = run_command([*script, "--steps", "6", "--common", common, "--out", str(tmp_path),

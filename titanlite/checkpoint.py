@@ -4,8 +4,12 @@ A checkpoint is the folder `<dump_folder>/<checkpoint.folder>/step-N` holding, k
 name (so any layout can load it):
   model.*        the model's parameters (merged over pipeline stages)
   optimizer.*    AdamW state, flattened per parameter name
-  train.*        step, tokens seen, lr-schedule position, RNG states
+  lr_scheduler.* the lr schedule's position
+  train_state.*  step, tokens seen, skipped steps, RNG states
   dataloader.dp<r>.state   each data-parallel rank's loader state, as JSON in a uint8 tensor
+(the parts `checkpoint.exclude_from_loading` names, as in TorchTitan). With
+`checkpoint.last_save_in_hf` the last one is a Hugging Face folder instead (safetensors +
+config.json, model only), and `initial_load_in_hf` starts from one.
 Only tensors are stored, and loading refuses anything else: DCP would unpickle non-tensor items.
 DCP's `.metadata` file is itself a pickle; it is read with an allow-list unpickler that accepts
 DCP's metadata classes and nothing else, so loading a crafted checkpoint cannot run code.
@@ -36,12 +40,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps
+from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import plain_tensor
+from titanlite.hf import check_hf_shapes, load_hf, save_hf
 from titanlite.metrics import log_line
+from titanlite.models.llama import canonical_fqn
+from titanlite.parallel.parallelize import assign_full_value
 
-PARTS = ("model", "optimizer", "train", "dataloader")
+PARTS = ("model", "optimizer", "lr_scheduler", "train_state", "dataloader")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -142,6 +149,18 @@ def read_tensor_metadata(path: Path, parts) -> tuple[SafeFileSystemReader, dict]
     return reader, metadata
 
 
+def read_model_weights(checkpoint: Path) -> dict:
+    """The model weights of a DCP checkpoint as full tensors on this process (any layout saved them)."""
+    reader, metadata = read_tensor_metadata(checkpoint, {"model"})
+    state = {
+        key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in metadata.items()
+        if key.startswith("model.")
+    }
+    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    return state
+
+
 def discard(folder: Path) -> None:
     """Remove a checkpoint folder: renamed first (atomic), so a crash during the removal never leaves
     a half-deleted folder that still looks complete."""
@@ -210,7 +229,6 @@ class Checkpointer:
         train = {
             "step": torch.tensor(t.step),
             "tokens_seen": torch.tensor(t.tokens_seen),
-            "lr_schedule_step": torch.tensor(t.lr_schedulers[0].last_epoch),
             "skipped_steps": torch.tensor(t.skipped_steps),
             "rng_cpu": torch.get_rng_state(),
         }
@@ -220,7 +238,8 @@ class Checkpointer:
         return {
             "model": model_state(t.model_parts),
             "optimizer": tensors_only(optimizer_state(t.model_parts, t.optimizers)),
-            "train": train,
+            "lr_scheduler": {"step": torch.tensor(t.lr_schedulers[0].last_epoch)},
+            "train_state": train,
             "dataloader": {f"dp{t.dp_rank}": json_tensor(loader)},
         }
 
@@ -228,12 +247,17 @@ class Checkpointer:
 
     def maybe_save(self, step: int, last: bool) -> None:
         self.finalize_if_done()
-        if not self.c.enable or not (step % self.c.interval == 0 or last):
+        first = step == 1 and self.c.enable_first_step_checkpoint
+        if not self.c.enable or self.c.load_only or not (step % self.c.interval == 0 or last or first):
             return
         model_only = last and self.c.last_save_model_only
-        self.save(step, model_only=model_only, asynchronous=self.c.async_mode != "disabled" and not last)
+        self.save(step, model_only=model_only, asynchronous=self.c.async_mode != "disabled" and not last,
+                  in_hf=last and self.c.last_save_in_hf)
 
-    def save(self, step: int, model_only: bool = False, asynchronous: bool = False, dtype: torch.dtype | None = None) -> None:
+    def save(
+        self, step: int, model_only: bool = False, asynchronous: bool = False, dtype: torch.dtype | None = None,
+        in_hf: bool = False,
+    ) -> None:
         self.wait()  # one save in flight at a time
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
@@ -249,8 +273,21 @@ class Checkpointer:
             return
         dcp.save(state, checkpoint_id=str(tmp))
         dist.barrier()
+        if in_hf:
+            self.convert_to_hf(tmp)
         self.commit(tmp, final)
-        log_line(f"checkpoint step {step}{' (model only)' if model_only else ''} saved to {final} in {time.perf_counter() - start:.2f}s")
+        what = " (Hugging Face safetensors)" if in_hf else " (model only)" if model_only else ""
+        log_line(f"checkpoint step {step}{what} saved to {final} in {time.perf_counter() - start:.2f}s")
+
+    def convert_to_hf(self, folder: Path) -> None:
+        """Rewrite a model-only DCP save as Hugging Face safetensors + config.json, in place (through
+        the converter scripts/convert_hf.py uses): any layout wrote it, one rank converts it."""
+        if self.is_coordinator:
+            weights = read_model_weights(folder)
+            for path in list(folder.iterdir()):
+                path.unlink()
+            save_hf(weights, self.trainer.model_parts[0].args, folder, DTYPES[self.c.export_dtype])
+        dist.barrier()
 
     def stager(self) -> dict:
         """async_with_pinned_mem: copy GPU tensors to a reused pinned host buffer (faster device->host)."""
@@ -297,9 +334,22 @@ class Checkpointer:
         if found is None:
             return False
         path, own = found
+        if is_hf_checkpoint(path):
+            self.load_hf_weights(path)
+            return True
         parts = {"model"} if not own and self.c.initial_load_model_only else set(PARTS)
         self.load_from(path, parts - set(self.c.exclude_from_loading))
         return True
+
+    def load_hf_weights(self, folder: Path) -> None:
+        """Model weights from Hugging Face safetensors (every rank reads the files and keeps its shard)."""
+        t = self.trainer
+        weights, hf = load_hf(folder)
+        check_hf_shapes(hf, t.model_parts[0].args, folder)
+        for part in t.model_parts:
+            for name, param in part.named_parameters():
+                assign_full_value(param, weights[canonical_fqn(name)].to(param.dtype))
+        log_line(f"loaded Hugging Face weights from {folder} (model only) at step {t.step}")
 
     def load_from(self, path: Path, parts: set[str]) -> None:
         t = self.trainer
@@ -311,18 +361,13 @@ class Checkpointer:
         if "optimizer" in parts:
             full_optimizer = optimizer_state(t.model_parts, t.optimizers)
             state["optimizer"] = tensors_only(full_optimizer)  # loaded in place into full_optimizer's tensors
-        if "train" in parts:
-            state["train"] = {
-                key.split(".", 1)[1]: torch.zeros(m.size, dtype=m.properties.dtype)
-                for key, m in metadata.items()
-                if key.startswith("train.")
-            }
-        if "dataloader" in parts:
-            state["dataloader"] = {
-                key.split(".", 1)[1]: torch.zeros(m.size, dtype=torch.uint8)
-                for key, m in metadata.items()
-                if key.startswith("dataloader.")
-            }
+        for name in ("lr_scheduler", "train_state", "dataloader"):
+            if name in parts:
+                state[name] = {
+                    key.split(".", 1)[1]: torch.zeros(m.size, dtype=m.properties.dtype)
+                    for key, m in metadata.items()
+                    if key.startswith(f"{name}.")
+                }
         for key in _flatten_keys(state):
             if not isinstance(metadata.get(key), TensorStorageMetadata):
                 raise ConfigError(f"checkpoint '{path}' has no entry '{key}'; it was not written by this titanlite")
@@ -336,14 +381,14 @@ class Checkpointer:
                 set_optimizer_state_dict(
                     part, opt, full_optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
                 )
-        if "train" in state:
-            s = state["train"]
-            t.step, t.tokens_seen = int(s["step"]), int(s["tokens_seen"])
-            t.skipped_steps = int(s.get("skipped_steps", 0))  # older checkpoints lack it
+        if "lr_scheduler" in state:
             for scheduler in t.lr_schedulers:
-                scheduler.last_epoch = int(s["lr_schedule_step"])
+                scheduler.last_epoch = int(state["lr_scheduler"]["step"])
                 for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):
                     group["lr"] = lr
+        if "train_state" in state:
+            s = state["train_state"]
+            t.step, t.tokens_seen, t.skipped_steps = int(s["step"]), int(s["tokens_seen"]), int(s["skipped_steps"])
             torch.set_rng_state(s["rng_cpu"])
             if "rng_cuda" in s and torch.cuda.is_available():
                 torch.cuda.set_rng_state(s["rng_cuda"])

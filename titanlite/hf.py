@@ -116,6 +116,23 @@ def save_hf(state: dict, args: ModelArgs, folder: Path, dtype: torch.dtype) -> N
     (folder / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
 
 
+def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
+    """ConfigError naming the first HF config.json value that differs from the model being trained."""
+    from titanlite.config import ConfigError
+
+    expected = {
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden_dim, "vocab_size": args.vocab_size,
+    }
+    for key, value in expected.items():
+        found = config.get(key, config["num_attention_heads"] if key == "num_key_value_heads" else None)
+        if found != value:
+            raise ConfigError(
+                f"Hugging Face checkpoint '{folder}' has {key}={found}, the model being trained {value}; choose the "
+                "model.flavor (and tokenizer) the checkpoint was made for"
+            )
+
+
 def load_hf(folder: Path) -> tuple[dict, dict]:
     """(titanlite state dict, HF config) from a folder of *.safetensors + config.json."""
     from safetensors.torch import load_file

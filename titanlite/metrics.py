@@ -7,6 +7,7 @@ Per-device figures: tokens/s per device = tokens this data-parallel rank consume
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -63,37 +64,78 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
 
 
-class MetricsLogger:
-    """Accumulates timing between log steps and writes the console, TensorBoard and JSONL rows.
+# ANSI colours of the console line's fields (a terminal only: see use_color).
+COLORS = {"loss": "\033[36m", "grad_norm": "\033[33m", "tps": "\033[32m", "mfu": "\033[35m", "mem": "\033[34m"}
+RESET = "\033[0m"
 
-    Only the rank that holds the loss (`writes_files`) writes files; every rank may print, and
-    torchrun's LOG_RANK filter chooses whose lines a person sees.
+
+def use_color(config, stream=sys.stdout) -> bool:
+    """Colours on a terminal unless metrics.disable_color_printing (or NO_COLOR) says no; never into a
+    file or pipe. Under torchrun a rank's stdout is a pipe, so run_train.sh tells it (TITANLITE_COLOR)
+    whether the launching terminal is one."""
+    if config.metrics.disable_color_printing or os.environ.get("NO_COLOR"):
+        return False
+    return stream.isatty() or os.environ.get("TITANLITE_COLOR") == "1"
+
+
+def open_wandb(config, folder: Path, rank: int, all_ranks: bool):
+    """A W&B run in <dump_folder>/wandb (WANDB_PROJECT, WANDB_RUN_NAME, WANDB_TEAM, WANDB_MODE as
+    wandb reads them; WANDB_MODE=offline needs no network)."""
+    from titanlite.preflight import check_wandb_installed
+
+    check_wandb_installed()
+    import wandb
+
+    name = os.environ.get("WANDB_RUN_NAME") or folder.name
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "titanlite"),
+        entity=os.environ.get("WANDB_TEAM"),
+        name=f"{name}-rank{rank}" if all_ranks else name,
+        group=name if all_ranks else None,
+        dir=str(folder),
+        config=config.to_dict(),
+    )
+
+
+class MetricsLogger:
+    """Accumulates timing between log steps and writes the console, TensorBoard, W&B and JSONL rows.
+
+    One rank (`writes_files`, rank 0: the loss is summed over every dim, pp included) writes
+    metrics.jsonl, TensorBoard and W&B; with metrics.save_for_all_ranks every rank writes its own
+    TensorBoard folder (rank_<r>) and W&B run. Every rank may print; torchrun's LOG_RANK filter
+    chooses whose lines a person sees.
     """
 
-    def __init__(self, config, device: torch.device, flops_per_token: int, tokens_divisor: int, writes_files: bool):
+    def __init__(self, config, device: torch.device, flops_per_token: int, tokens_divisor: int, rank: int):
         m = config.metrics
+        self.config = config
         self.device, self.flops_per_token, self.tokens_divisor = device, flops_per_token, tokens_divisor
         self.peak, self.peak_source = peak_flops(device, m.peak_flops)
         self.gpu_hour_cost = m.gpu_hour_cost
         self.power = power_reader(device)
         self.folder = Path(config.job.dump_folder)
-        self.writes_files, self.tensorboard = writes_files, m.enable_tensorboard
+        self.rank, self.writes_files = rank, rank == 0
+        self.writes_scalars = self.writes_files or m.save_for_all_ranks
         self.tb_folder = self.folder / m.save_tb_folder / time.strftime("%Y%m%d-%H%M%S")
-        self.jsonl = None
-        self.tb = None
+        if m.save_for_all_ranks:
+            self.tb_folder = self.tb_folder / f"rank_{rank}"
+        self.color = use_color(config)
+        self.jsonl = self.tb = self.wandb = None
         self.start = time.perf_counter()
         self.reset()
 
     def open(self, append: bool) -> None:
         """Start the files: a resumed run appends to metrics.jsonl, a fresh one starts it anew."""
-        if not self.writes_files:
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.folder / "metrics.jsonl", "a" if append else "w")
-        if self.tensorboard:
+        m = self.config.metrics
+        if self.writes_files:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(self.folder / "metrics.jsonl", "a" if append else "w")
+        if self.writes_scalars and m.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.tb_folder))
+        if self.writes_scalars and m.enable_wandb:
+            self.wandb = open_wandb(self.config, self.folder, self.rank, m.save_for_all_ranks)
 
     def reset(self) -> None:
         self.window_start = time.perf_counter()
@@ -137,10 +179,17 @@ class MetricsLogger:
             watts = self.power[1]()
             row["power_w"], row["joules_per_token"] = watts, watts / tps
             costs += f" | {row['joules_per_token']:.3f} J/tok"
+        fields = {
+            "loss": f"loss {loss:8.4f}",
+            "grad_norm": f"grad_norm {grad_norm:7.3f}",
+            "tps": f"tps {tps:>9,.0f}",
+            "mfu": f"mfu {row['mfu']:5.2f}%",
+            "mem": f"mem {row['memory_gib']:6.2f} GiB",
+        }
+        loss_text, norm_text, tps_text, mfu_text, mem_text = (self.paint(k, v) for k, v in fields.items())
         print(
-            f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:7.3f} | lr {lr:.2e} | "
-            f"tps {tps:>9,.0f} | tflops {tflops:7.2f} | mfu {row['mfu']:5.2f}% | mem {row['memory_gib']:6.2f} GiB | "
-            f"data {100 * row['data_share']:4.1f}%{costs} | {row['elapsed_s']:7.1f}s",
+            f"step {step:>6} | {loss_text} | {norm_text} | lr {lr:.2e} | {tps_text} | tflops {tflops:7.2f} | "
+            f"{mfu_text} | {mem_text} | data {100 * row['data_share']:4.1f}%{costs} | {row['elapsed_s']:7.1f}s",
             flush=True,
         )
         self._write(step, row)
@@ -162,11 +211,18 @@ class MetricsLogger:
                 if key != "step":
                     self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+
+    def paint(self, field: str, text: str) -> str:
+        return f"{COLORS[field]}{text}{RESET}" if self.color else text
 
     def close(self) -> None:
         for handle in (self.jsonl, self.tb):
             if handle:
                 handle.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 def log_line(message: str) -> None:

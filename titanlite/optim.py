@@ -48,7 +48,8 @@ def lr_factor(step: int, steps: int, warmup: int, decay_ratio: float | None, dec
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    s, steps = config.lr_scheduler, config.training.steps
+    s = config.lr_scheduler
+    steps = s.total_steps or config.training.steps
 
     def factor(step: int) -> float:
         return lr_factor(step, steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor)

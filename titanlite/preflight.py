@@ -6,6 +6,7 @@ Torch is imported only when there is a pipeline to check (its schedule classes).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -27,13 +28,20 @@ def check(config: JobConfig, world_size: int) -> None:
         from titanlite.parallel.pipeline import plan_stages
 
         plan_stages(config, args.n_layers, dims.pp, pp_rank=0)
-    tokenizer_file(config.model.tokenizer_path)
-    if config.job.dry_run or config.checkpoint.create_seed_checkpoint:
+    tokenizer_file(*reversed(config.tokenizer))
+    if config.metrics.enable_wandb:
+        check_wandb_installed()
+    if config.dry_run or config.checkpoint.create_seed_checkpoint:
         return  # reads no data and loads no checkpoint
     split_source(config, "train")
     if config.validation.enable:
         split_source(config, "validation")
     checkpoint_to_load(config)
+
+
+def check_wandb_installed() -> None:
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.enable_wandb=true needs the wandb package: pip install -e '.[wandb]' (or set it false)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,8 +14,6 @@ import torch
 
 from titanlite.metrics import log_line
 
-WARMUP, ACTIVE = 1, 1  # profiled steps per window: one warm-up, one recorded
-
 
 class Profiler:
     def __init__(self, config, rank: int, device: torch.device):
@@ -29,7 +27,10 @@ class Profiler:
             self.profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU]
                 + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []),
-                schedule=torch.profiler.schedule(wait=self.freq - WARMUP - ACTIVE, warmup=WARMUP, active=ACTIVE),
+                # Each profile_freq-step cycle ends with profiler_warmup + profiler_active steps (TorchTitan's).
+                schedule=torch.profiler.schedule(
+                    wait=self.freq - p.profiler_warmup - p.profiler_active, warmup=p.profiler_warmup, active=p.profiler_active
+                ),
                 on_trace_ready=self._write_trace,
             )
             self.profiler.start()

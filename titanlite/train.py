@@ -8,6 +8,8 @@ optimizer step over the gradient-accumulation microbatches.
 from __future__ import annotations
 
 import gc
+import itertools
+import json
 import math
 import os
 import socket
@@ -25,9 +27,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.checkpoint import Checkpointer
 from titanlite.config import ConfigError, JobConfig, parse_args
+from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.float8 import Float8Linear, precompute_float8_scales
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import build_model, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
@@ -45,15 +47,16 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-def init_distributed(dry_run: bool, init_timeout: int = 300) -> torch.device:
+def init_distributed(config: JobConfig) -> torch.device:
     """Join the process group (nccl on CUDA, gloo on CPU); a plain `python -m` run is a world of 1."""
+    init_timeout = config.comm.init_timeout_seconds
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0")
         os.environ.setdefault("WORLD_SIZE", "1")
-    if dry_run:
+    if config.dry_run:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(os.environ["WORLD_SIZE"]))
@@ -62,6 +65,7 @@ def init_distributed(dry_run: bool, init_timeout: int = 300) -> torch.device:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         backend = "nccl"
+        enable_flight_recorder(config)
     else:
         device, backend = torch.device("cpu"), "gloo"
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=init_timeout)))
@@ -73,6 +77,35 @@ def init_distributed(dry_run: bool, init_timeout: int = 300) -> torch.device:
         store = dist.PrefixStore(f"titanlite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
     return device
+
+
+def enable_flight_recorder(config: JobConfig) -> None:
+    """NCCL's flight recorder ([comm] trace_buf_size): the last collectives of each rank, dumped on a
+    timeout to <dump_folder>/<save_traces_folder>/<prefix><rank>."""
+    c = config.comm
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(c.trace_buf_size))
+    if c.trace_buf_size > 0:
+        folder = os.path.join(config.job.dump_folder, c.save_traces_folder)
+        os.makedirs(folder, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, c.save_traces_file_prefix))
+
+
+def set_determinism(config: JobConfig, device: torch.device) -> int:
+    """[debug]: the seed (drawn on rank 0 and shared when debug.seed is none) and deterministic kernels."""
+    d = config.debug
+    if d.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=d.deterministic_warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    seed = d.seed
+    if seed is None:
+        drawn = torch.tensor(int.from_bytes(os.urandom(4), "little") >> 1, device="cpu" if device.type == "meta" else device)
+        if device.type != "meta":
+            dist.broadcast(drawn, src=0)
+        seed = int(drawn)
+        log_line(f"debug.seed is none: seed {seed} drawn at random (set debug.seed={seed} to repeat this run)")
+    torch.manual_seed(seed)
+    return seed
 
 
 def exit_with_launcher() -> None:
@@ -115,19 +148,20 @@ class Trainer:
         t = config.training
         self.dims = ParallelDims.from_config(config, dist.get_world_size())
         self.dims.build_mesh("cpu" if device.type == "meta" else device.type)
-        torch.manual_seed(t.seed)
-        if t.deterministic:
-            torch.use_deterministic_algorithms(True)
+        self.seed = set_determinism(config, device)
 
-        self.tokenizer = build_tokenizer(config.model.tokenizer_path)
-        args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, t.seq_len, config.model.n_layers)
+        tokenizer_key, tokenizer_value = config.tokenizer
+        self.tokenizer = build_tokenizer(tokenizer_value, tokenizer_key)
+        args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers)
         self.dims.check_model(args.n_heads, args.n_kv_heads)
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ConfigError(
-                f"model.tokenizer_path='{config.model.tokenizer_path}' has {self.tokenizer.vocab_size} tokens, more "
+                f"{tokenizer_key}='{tokenizer_value}' has {self.tokenizer.vocab_size} tokens, more "
                 f"than model.flavor='{config.model.flavor}' embeds ({args.vocab_size}); use a smaller tokenizer"
             )
         whole = build_model(args)
+        if t.dtype == "bfloat16":
+            whole.to(torch.bfloat16)  # parameters, gradients and optimizer states; RoPE is rebuilt in fp32
         self.num_params = whole.num_params()
         self.flops_per_token = whole.flops_per_token(t.seq_len)
         if self.dims.pp_enabled:
@@ -135,8 +169,11 @@ class Trainer:
         else:
             self.stage_ids, n_stages, self.model_parts = [0], 1, [whole]
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        self.converters = build_converters(config)
         for part in self.model_parts:
-            parallelize(part, self.dims, config, device.type)
+            parallelize(part, self.dims, config, device.type, self.converters)
+            if config.model.print_after_conversion and dist.get_rank() == 0:
+                print(part, flush=True)
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
         compile_loss = config.compile.enable and "loss" in config.compile.components
         self.cross_entropy = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
@@ -146,7 +183,7 @@ class Trainer:
             return  # dry run: nothing to materialize
         for part in self.model_parts:
             part.to_empty(device=device)
-            part.init_weights(t.seed, assign=assign_full_value)
+            part.init_weights(self.seed, assign=assign_full_value)
             part.train()
         self.loss_scale = torch.ones((), device=device)  # the global token count of the current step
         self.pp_schedule = None
@@ -170,7 +207,7 @@ class Trainer:
             device,
             self.flops_per_token,
             tokens_divisor=self.dims.non_data_parallel_size,
-            writes_files=dist.get_rank() == 0,
+            rank=dist.get_rank(),
         )
         self.checkpointer = Checkpointer(config, self)
         self.profiler = None
@@ -237,16 +274,13 @@ class Trainer:
         global_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         dist.all_reduce(global_tokens, group=self.batch_group)
         self.loss_scale = global_tokens
-        self.refresh_float8_scales()
+        self.before_step()
         loss = sum(self.forward(x, y, backward=True) for x, y in microbatches)
         return self.reduce_loss(loss).item()
 
-    def refresh_float8_scales(self) -> None:
-        """One all-reduce for every float8 all-gather weight's scale, before the weights are gathered."""
-        f8 = self.config.float8
-        if f8.enable and f8.enable_fsdp_float8_all_gather and f8.precompute_float8_dynamic_scale_for_fsdp:
-            for part in self.model_parts:
-                precompute_float8_scales(part)
+    def before_step(self) -> None:
+        for converter in self.converters:
+            converter.before_step(self.model_parts)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that hold parts of the loss: data/context ranks, and the last pp stage."""
@@ -295,14 +329,14 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         v = self.config.validation
-        self.refresh_float8_scales()
+        self.before_step()
         for part in self.model_parts:
             part.eval()
         loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
         self.loss_scale = torch.ones((), device=self.device)  # summed losses
         loss_sum, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         batches = iter(loader)
-        for _ in range(v.steps):
+        for _ in itertools.count() if v.steps == -1 else range(v.steps):
             batch = next(batches, None)
             # Data-parallel ranks read different documents and can run out at different batches:
             # all stop at the first batch that one of them lacks, or their collectives would hang.
@@ -339,16 +373,10 @@ class Trainer:
             f"({self.metrics.peak_source}); device {self.device}"
             + (f"; J/token from power by {self.metrics.power[0]}" if self.metrics.power else "")
         )
-        f8 = self.config.float8
-        if f8.enable:
-            n = sum(isinstance(m, Float8Linear) for part in self.model_parts for m in part.modules())
-            how = "emulated in high precision" if f8.emulate else "torch._scaled_mm"
-            log_line(
-                f"float8 {f8.recipe_name}: {n} linear layers ({how}); MFU counts their FLOPs against the "
-                "high-precision (bf16) peak above, not a float8 peak"
-                + ("; tensorwise float8 matmuls run a very slow reference kernel on CPU: set float8.emulate=true"
-                   if self.device.type == "cpu" and not f8.emulate and f8.recipe_name == "tensorwise" else "")
-            )
+        for converter in self.converters:
+            log_line(converter.describe(self.model_parts, self.device))
+        if self.config.model.tokenizer_path:
+            log_line("model.tokenizer_path is deprecated (TorchTitan v0.2): use model.hf_assets_path")
         if self.pp_schedule is not None:
             log_line(
                 f"pipeline: {self.config.parallelism.pipeline_parallel_schedule}, this rank holds stages {self.stage_ids}; "
@@ -364,7 +392,7 @@ class Trainer:
         first_step, first_tokens = self.step + 1, self.tokens_seen
         while self.step < t.steps:
             self.step += 1
-            if self.step % t.gc_freq == 0:
+            if t.gc_debug or self.step % t.gc_freq == 0:
                 gc.collect(1)
             data_start = time.perf_counter()
             microbatches = self.next_microbatches(data_iter)
@@ -413,6 +441,25 @@ class Trainer:
         )
 
 
+def longest_sequence(config: JobConfig) -> int:
+    """The RoPE table's length: training's sequences, or validation's where longer."""
+    v = config.validation
+    return max(config.training.seq_len, v.seq_len if v.enable else 0)
+
+
+def record_config(config: JobConfig) -> None:
+    """job.print_config and job.save_config_file: the resolved config as JSON."""
+    text = json.dumps(config.to_dict(), indent=2)
+    if config.job.print_config:
+        log_line(f"config: {text}")
+    if config.job.save_config_file:
+        path = os.path.join(config.job.dump_folder, config.job.save_config_file)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text + "\n")
+        log_line(f"config saved to {path}")
+
+
 def report(message: str, code: int) -> int:
     """One line for the person who launched the run: printed, or left for titanlite.torchrun to print."""
     if not write_error(message, code):
@@ -426,9 +473,11 @@ def main(argv: list[str] | None = None) -> None:
     start_attempt()
     try:
         config = parse_args(argv)
-        device = init_distributed(config.job.dry_run, config.comm.init_timeout_seconds)
+        device = init_distributed(config)
+        if dist.get_rank() == 0:
+            record_config(config)
         trainer = Trainer(config, device)
-        if config.job.dry_run:
+        if config.dry_run:
             trainer.describe_dry_run()
         else:
             if dist.get_rank() == 0:

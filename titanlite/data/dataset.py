@@ -37,7 +37,7 @@ def open_source(source: Source, split: str):
     if source.kind == "files":
         kwargs = {"sample_by": "document"} if source.builder == "text" else {}
         return load_dataset(source.builder, data_files=list(source.files), split="train", streaming=True, **kwargs)
-    return load_dataset(source.name, split=split, streaming=True)
+    return load_dataset(source.name, source.subset, split=source.split or split, streaming=True)
 
 
 class TokenWindows(IterableDataset, Stateful):
@@ -112,17 +112,37 @@ class TokenWindows(IterableDataset, Stateful):
 def build_dataloader(
     config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: str = "train"
 ) -> StatefulDataLoader:
-    """The loader of one data-parallel rank. tp/cp/pp peers pass the same dp_rank and read the same rows."""
+    """The loader of one data-parallel rank. tp/cp/pp peers pass the same dp_rank and read the same rows.
+    Training reads [training] (batch, seq_len, [training.dataloader]); validation reads [validation]."""
     from datasets.distributed import split_dataset_by_node
 
     t = config.training
+    settings = t if split == "train" else config.validation
+    loader = settings.dataloader
     documents = open_source(split_source(config, split), split)
     if t.data_split == "documents":
         documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_degree)
         dp_rank, dp_degree = 0, 1  # this rank's documents are all its own
+    if loader.num_workers > 1 and documents.num_shards < loader.num_workers:
+        # `datasets` hands each loader worker whole files (shards); a worker without one reads nothing.
+        key = "training" if split == "train" else "validation"
+        raise ConfigError(
+            f"{key}.dataloader.num_workers={loader.num_workers} but the {split} data has {documents.num_shards} "
+            f"file(s) for this rank, and each worker reads whole files; use num_workers <= {max(documents.num_shards, 1)} "
+            "or split the data into more files"
+        )
     windows = TokenWindows(
-        documents, tokenizer, t.seq_len, t.dataset_text_field, split == "train", dp_rank, dp_degree, t.local_batch_size
+        documents, tokenizer, settings.seq_len, t.dataset_text_field, split == "train", dp_rank, dp_degree,
+        settings.local_batch_size,
     )
     # drop_last: a partial batch would not split into pipeline microbatches, and ranks must agree on
     # the number of batches of a finite (validation) stream.
-    return StatefulDataLoader(windows, batch_size=t.local_batch_size, num_workers=0, drop_last=True)
+    return StatefulDataLoader(
+        windows,
+        batch_size=settings.local_batch_size,
+        drop_last=True,
+        num_workers=loader.num_workers,
+        persistent_workers=loader.persistent_workers,
+        pin_memory=loader.pin_memory and torch.cuda.is_available(),
+        prefetch_factor=loader.prefetch_factor,
+    )

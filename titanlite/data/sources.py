@@ -21,6 +21,15 @@ class Source:
     name: str  # the dataset name, or the local location
     files: tuple[str, ...] = ()
     builder: str = ""  # the `datasets` builder of local files
+    subset: str | None = None  # the hub dataset's configuration (e.g. allenai/c4's "en")
+    split: str | None = None  # the hub split to read, where the name fixes it
+
+
+# TorchTitan's dataset names: c4 streams from the hub; c4_test is a file in TorchTitan's own repo.
+TORCHTITAN_DATASETS = {
+    "c4": Source("hub", "allenai/c4", subset="en", split="train"),
+    "c4_validation": Source("hub", "allenai/c4", subset="en", split="validation"),
+}
 
 
 def local_files(path: str) -> list[str]:
@@ -49,11 +58,19 @@ def check_hub_reachable(name: str) -> None:
         raise ConfigError(f"{hint}, but {endpoint.hostname} is unreachable ({e}); {fix}")
 
 
-def resolve_source(name: str, path: str) -> Source:
+def resolve_source(name: str, path: str | None) -> Source:
     """The source of dataset `name` (read from local `path` when given); ConfigError when a local
     path matches nothing, mixes file types, or the hub is out of reach."""
     if name == "shakespeare" and not path:
         return Source("builtin", name)
+    if name == "c4_test" and not path:
+        raise ConfigError(
+            "training.dataset='c4_test' is a test file of TorchTitan's repository (tests/assets/c4_test); point "
+            "training.dataset_path at a copy of it, or use the built-in 'shakespeare'"
+        )
+    if name in TORCHTITAN_DATASETS and not path:
+        check_hub_reachable(name)
+        return TORCHTITAN_DATASETS[name]
     location = os.path.expanduser(path or name)
     files = local_files(location)
     if files:

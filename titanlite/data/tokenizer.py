@@ -82,12 +82,12 @@ class HFTokenizer(Tokenizer):
 class TiktokenTokenizer(Tokenizer):
     """A tiktoken ranks file (e.g. Llama 3's tokenizer.model): Llama 3 split pattern and special tokens."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, key: str = "model.hf_assets_path"):
         try:
             import tiktoken
             from tiktoken.load import load_tiktoken_bpe
         except ImportError:
-            raise ConfigError(f"model.tokenizer_path='{path}' is a tiktoken file; pip install tiktoken to read it")
+            raise ConfigError(f"{key}: '{path}' is a tiktoken file; pip install tiktoken to read it")
         ranks = load_tiktoken_bpe(str(path))  # a local path: tiktoken only fetches strings containing '://'
         n = len(ranks)
         names = [BOS, EOS] + [f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_NUM_SPECIAL - 2)]
@@ -103,27 +103,29 @@ class TiktokenTokenizer(Tokenizer):
         return self.enc.decode([i for i in ids if i < self.bos_id])
 
 
-def build_tokenizer(tokenizer_path: str) -> Tokenizer:
-    path = tokenizer_file(tokenizer_path)
+def build_tokenizer(location: str, key: str = "model.hf_assets_path") -> Tokenizer:
+    """The tokenizer at `location` (the value of config key `key`, named in errors)."""
+    path = tokenizer_file(location, key)
     if path is None:
         return ByteTokenizer()
-    return HFTokenizer(path) if path.suffix == ".json" else TiktokenTokenizer(path)
+    return HFTokenizer(path) if path.suffix == ".json" else TiktokenTokenizer(path, key)
 
 
-def tokenizer_file(tokenizer_path: str) -> Path | None:
-    """The file behind `model.tokenizer_path` (None for 'byte'); ConfigError if there is none."""
-    if tokenizer_path == "byte":
+def tokenizer_file(location: str, key: str = "model.hf_assets_path") -> Path | None:
+    """The file behind a tokenizer location (None for 'byte'): a bundled name, a file, or a folder with
+    tokenizer.json or tokenizer.model (Llama 3's original/ folder too); ConfigError if there is none."""
+    if location == "byte":
         return None
-    path = BUILTIN.get(tokenizer_path) or Path(tokenizer_path)
+    path = BUILTIN.get(location) or Path(location).expanduser()
     if path.is_dir():
-        for name in ("tokenizer.json", "tokenizer.model"):
+        for name in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model"):
             if (path / name).exists():
                 path = path / name
                 break
     if not path.is_file():
         raise ConfigError(
-            f"model.tokenizer_path='{tokenizer_path}' is not a file or a folder with tokenizer.json; "
-            f"use 'byte', one of {sorted(BUILTIN)}, or a local tokenizer.json / tiktoken file"
+            f"{key}='{location}' is not a tokenizer file or a folder with tokenizer.json or tokenizer.model; "
+            f"use 'byte', one of {sorted(BUILTIN)}, or a local Hugging Face assets folder"
         )
     return path
 

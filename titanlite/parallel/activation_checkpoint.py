@@ -31,11 +31,18 @@ def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
-    """Wrap the model's transformer blocks in place (names gain `_checkpoint_wrapped_module.`)."""
+def apply_ac(model: nn.Module, ac) -> None:
+    """Wrap the model's transformer blocks in place (names gain `_checkpoint_wrapped_module.`), as
+    [activation_checkpoint] says; its preserve_rng_state, determinism_check, debug and early_stop
+    go to torch.utils.checkpoint as they are."""
+    option = ac.selective_ac_option
+    checkpoint_options = dict(
+        preserve_rng_state=ac.preserve_rng_state, determinism_check=ac.determinism_check, debug=ac.debug,
+        early_stop=ac.early_stop,
+    )
     for key, block in model.layers.items():
-        if mode == "full" or (mode == "selective" and selective_option.isdigit() and int(key) % int(selective_option) == 0):
-            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif mode == "selective" and selective_option == "op":
+        if ac.mode == "full" or (ac.mode == "selective" and option.isdigit() and int(key) % int(option) == 0):
+            model.layers[key] = checkpoint_wrapper(block, **checkpoint_options)
+        elif ac.mode == "selective" and option == "op":
             policy = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
-            model.layers[key] = checkpoint_wrapper(block, context_fn=policy, preserve_rng_state=False)
+            model.layers[key] = checkpoint_wrapper(block, context_fn=policy, **checkpoint_options)

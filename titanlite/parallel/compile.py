@@ -26,10 +26,10 @@ def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
     return [inner.attention, inner.feed_forward] if tp_enabled else [block]
 
 
-def apply_compile(model: nn.Module, tp_enabled: bool, collectives_in_graph: bool) -> None:
+def apply_compile(model: nn.Module, tp_enabled: bool, collectives_in_graph: bool, backend: str = "inductor") -> None:
     """Compile in place (`Module.compile`), so parameter names and checkpoints do not change."""
     if collectives_in_graph:
         torch._functorch.config.enable_autograd_cache = False
     for block in model.layers.values():
         for unit in compile_units(block, tp_enabled):
-            unit.compile(fullgraph=True)
+            unit.compile(backend=backend, fullgraph=True)

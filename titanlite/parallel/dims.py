@@ -57,14 +57,23 @@ class ParallelDims:
                 f"not the world size {world_size}; set parallelism.data_parallel_shard_degree=-1 or fix the degrees"
             )
         dims = cls(dp_replicate, dp_shard, cp, tp, pp, world_size)
-        dims.check_sequence(config.training.seq_len)
+        t, v = config.training, config.validation
+        dims.check_sequence("training.seq_len", t.seq_len)
+        if v.enable:
+            dims.check_sequence("validation.seq_len", v.seq_len)
+            if pp > 1 and (v.local_batch_size, v.seq_len) != (t.local_batch_size, t.seq_len):
+                raise ConfigError(
+                    f"validation.local_batch_size={v.local_batch_size} and validation.seq_len={v.seq_len} must equal "
+                    f"training's ({t.local_batch_size}, {t.seq_len}) under pipeline parallel (the schedule's stages "
+                    "have fixed shapes); set them equal"
+                )
         return dims
 
-    def check_sequence(self, seq_len: int) -> None:
+    def check_sequence(self, key: str, seq_len: int) -> None:
         divisor = self.seq_len_divisor
         if seq_len % divisor:
             raise ConfigError(
-                f"training.seq_len={seq_len} must be divisible by {divisor} (tp={self.tp} x 2 x cp={self.cp}); "
+                f"{key}={seq_len} must be divisible by {divisor} (tp={self.tp} x 2 x cp={self.cp}); "
                 f"use a multiple of {divisor}"
             )
 

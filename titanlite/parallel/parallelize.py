@@ -1,6 +1,6 @@
 """The one place where a plain model becomes a parallel one, in a fixed order you can read:
 
-    float8 linears -> tensor parallel -> activation checkpointing -> compile -> FSDP (float8 all-gather)
+    converters (float8) -> tensor parallel -> activation checkpointing -> compile -> FSDP
 
 Context parallel changes no module: it is a per-step context (parallel/context.py), and pipeline
 stages are split before this.
@@ -12,8 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titanlite.config import JobConfig
-from titanlite.float8 import convert_to_float8, enable_float8_all_gather
+from titanlite.config import ConfigError, JobConfig, float8_recipe
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.dims import ParallelDims
@@ -24,7 +23,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def param_dtype(config: JobConfig, device_type: str) -> torch.dtype:
+    """The compute dtype: training.mixed_precision_param, never wider than training.dtype."""
     name = config.training.mixed_precision_param
+    if config.training.dtype == "bfloat16":
+        return torch.bfloat16
     if name == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     return DTYPES[name]
@@ -41,39 +43,58 @@ def data_parallel_mesh(dims: ParallelDims):
     return dims.get_mesh("fsdp")
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str, converters=()) -> nn.Module:
     p, f8 = config.parallelism, config.float8
-    if f8.enable:
-        convert_to_float8(model, f8.recipe_name, f8.filter_fqns, f8.emulate)
+    for converter in converters:
+        converter.convert(model)
 
     if dims.tp_enabled:
         apply_tp(
             model, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config),
-            float8_recipe=f8.recipe_name if f8.enable else None,
+            float8_recipe=float8_recipe(f8) if f8 else None,
         )
+        if p.enable_async_tensor_parallel and device_type != "meta":
+            enable_async_tp(dims.get_mesh("tp"), device_type)
 
     ac = config.activation_checkpoint
     if ac.mode != "none":
-        apply_ac(model, ac.mode, ac.selective_ac_option)
+        apply_ac(model, ac)
 
     if config.compile.enable and "model" in config.compile.components:
-        apply_compile(model, dims.tp_enabled, collectives_in_graph=dims.tp_enabled or dims.cp_enabled)
+        apply_compile(model, dims.tp_enabled, collectives_in_graph=dims.tp_enabled or dims.cp_enabled, backend=config.compile.backend)
 
     dtype = param_dtype(config, device_type)
-    # FSDP also carries mixed precision, so a single device in bf16 gets it too.
-    if dims.dp_enabled or dims.cp_enabled or dtype != torch.float32:
+    # FSDP also carries mixed precision and CPU offload, so a single device gets those too.
+    t = config.training
+    if dims.dp_enabled or dims.cp_enabled or dtype != DTYPES[t.dtype] or t.enable_cpu_offload:
         reshard = {"default": not dims.pp_enabled, "always": True, "never": False}[p.fsdp_reshard_after_forward]
-        if f8.enable and f8.enable_fsdp_float8_all_gather:
-            enable_float8_all_gather(model)
+        for converter in converters:
+            converter.before_fsdp(model)
         apply_fsdp(
             model,
             data_parallel_mesh(dims),
             param_dtype=dtype,
-            reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+            reduce_dtype=DTYPES[t.mixed_precision_reduce],
             reshard_after_forward=reshard,
             reshard_output_after_forward=p.fsdp_reshard_after_forward == "always",
+            cpu_offload=t.enable_cpu_offload,
         )
     return model
+
+
+def enable_async_tp(tp_mesh, device_type: str) -> None:
+    """torch's micro-pipelined TP: compiled graphs split TP's all-gather/reduce-scatter + matmul into
+    chunks that overlap, through symmetric memory on the TP group (CUDA only)."""
+    if device_type != "cuda":
+        raise ConfigError(
+            f"parallelism.enable_async_tensor_parallel=true needs CUDA GPUs (symmetric memory), not {device_type}; "
+            "set it false"
+        )
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 @torch.no_grad()

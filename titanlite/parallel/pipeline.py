@@ -2,8 +2,8 @@
 
 A stage is the same Llama model with the modules it does not own removed (layers deleted from the
 ModuleDict, embedding / norm / output set to None), so parameter names stay those of the whole
-model and no pipeline code lives in the model. The embedding and [norm + output] each count as one
-extra layer when layers are spread over stages. Multi-stage schedules place stages in loop order
+model and no pipeline code lives in the model. The embedding and [norm + output] count as extra
+layers when layers are spread over stages (parallelism.pipeline_parallel_first/last_stage_less_layers). Multi-stage schedules place stages in loop order
 (rank r holds r, r + pp, ...); V schedules (ZBVZeroBubble, DualPipeV) in V order (r and 2pp-1-r).
 """
 
@@ -51,34 +51,37 @@ def is_multi_stage(cls) -> bool:
 
 
 def stage_module_names(config: JobConfig, n_layers: int, pp: int, multi_stage: bool) -> list[list[str]]:
-    """Module names of each stage, in pipeline order."""
+    """Module names of each stage, in pipeline order. The embedding counts as
+    `first_stage_less_layers` layers and norm + output as `last_stage_less_layers` (TorchTitan's
+    weights), and the layers so counted are spread evenly, earlier stages taking the remainder."""
     p = config.parallelism
-    units = [["tok_embeddings"]] + [[f"layers.{i}"] for i in range(n_layers)] + [["norm", "output"]]
+    everything = ["tok_embeddings"] + [f"layers.{i}" for i in range(n_layers)] + ["norm", "output"]
     if p.module_fqns_per_model_part:
-        stages = [part.split() for part in p.module_fqns_per_model_part]
-        flat = [name for stage in stages for name in stage]
-        expected = [name for unit in units for name in unit]
-        if flat != expected:
+        stages = [list(stage) for stage in p.module_fqns_per_model_part]
+        if [name for stage in stages for name in stage] != everything:
             raise ConfigError(
                 f"parallelism.module_fqns_per_model_part={p.module_fqns_per_model_part} must list every module "
-                f"once, in order: {' '.join(expected)} (one string per stage, names separated by spaces)"
+                f"once, in order: {', '.join(everything)} (one list of names per stage)"
             )
         return stages
-    if p.pipeline_parallel_layers_per_stage > 0:
-        n_stages = math.ceil(len(units) / p.pipeline_parallel_layers_per_stage)
-    else:
-        n_stages = pp * (2 if multi_stage else 1)
-    if n_stages > len(units):
+    first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+    counted = n_layers + first + last
+    lps = p.pipeline_parallel_layers_per_stage
+    n_stages = math.ceil(counted / lps) if lps else pp * (2 if multi_stage else 1)
+    base, extra = divmod(counted, n_stages)
+    if base < max(first, last, 1):
         raise ConfigError(
-            f"{n_stages} pipeline stages for {len(units)} layers (embedding and output count as one each); "
-            "use fewer stages or a larger parallelism.pipeline_parallel_layers_per_stage"
+            f"{n_stages} pipeline stages for {n_layers} layers (+{first} for the embedding, +{last} for the output) "
+            f"leave {base} per stage, fewer than the first/last stage give up; use fewer stages, a larger "
+            "parallelism.pipeline_parallel_layers_per_stage, or smaller pipeline_parallel_first/last_stage_less_layers"
         )
-    base, extra = divmod(len(units), n_stages)
-    stages, start = [], 0
+    stages, layer = [], 0
     for s in range(n_stages):
-        size = base + (1 if s < extra else 0)  # earlier stages take the remainder
-        stages.append([name for unit in units[start : start + size] for name in unit])
-        start += size
+        size = base + (1 if s < extra else 0)
+        size -= (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+        names = [f"layers.{i}" for i in range(layer, min(layer + size, n_layers))]
+        layer += len(names)
+        stages.append((["tok_embeddings"] if s == 0 else []) + names + (["norm", "output"] if s == n_stages - 1 else []))
     return stages
 
 
