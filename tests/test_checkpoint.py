@@ -183,16 +183,14 @@ def test_seed_checkpoint_gives_every_layout_the_same_start(corpus_jsonl, tmp_pat
 
 def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl, tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "run", "--checkpoint.enable", "--training.steps", "3",
-                          "--checkpoint.interval", "3", "--model.flavor", "debugmodel_gqa"))
+    same = ["--checkpoint.enable", "--training.steps", "3", "--model.flavor", "debugmodel_gqa", "--training.data_split", "sequences"]
+    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "run", *same))
     step = tmp_path / "run" / "checkpoint" / "step-3"
     convert = [sys.executable, str(REPO / "scripts" / "convert_hf.py")]
     assert run_command([*convert, "to-hf", str(step), str(tmp_path / "hf"), "--flavor", "debugmodel_gqa"], cwd=REPO).returncode == 0
     assert run_command([*convert, "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")], cwd=REPO).returncode == 0
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    from convert_hf import read_model
-
+    from titanlite.checkpoint import read_model_weights as read_model
     from titanlite.models import model_args
     from titanlite.models.llama import Transformer
 
@@ -207,6 +205,31 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
         if name != "rope":
             assert torch.equal(back[name], value), name
 
+    # The same export from training itself (checkpoint.last_save_in_hf), here by 2 FSDP ranks.
+    from safetensors.torch import load_file
+
+    torchrun(2, tiny_args(corpus_jsonl, tmp_path / "fsdp", *same, "--training.local_batch_size", "1",
+                          "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf"))
+    saved = tmp_path / "fsdp" / "checkpoint" / "step-3"
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]
+    exported, converted = load_file(str(saved / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == converted.keys()
+    for name in converted:
+        torch.testing.assert_close(exported[name], converted[name], rtol=1e-5, atol=1e-6)
+
+    # Training starts from HF weights (checkpoint.initial_load_in_hf) as from the same weights in DCP.
+    first = ["--training.steps", "1", "--model.flavor", "debugmodel_gqa"]
+    from_hf = torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
+                                    "--checkpoint.initial_load_path", str(tmp_path / "hf")))
+    from_dcp = torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_dcp", *first, "--checkpoint.initial_load_path", str(step)))
+    assert "loaded Hugging Face weights" in from_hf.stdout
+    assert losses(tmp_path / "from_hf") == losses(tmp_path / "from_dcp")
+    assert losses(tmp_path / "from_hf")[1] < 5.0  # trained weights: far below the ~5.6 of random ones (ln 259)
+    wrong = [sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "wrong", "--training.steps", "1",
+             "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf"))]
+    out = run_command(wrong, cwd=REPO)
+    assert out.returncode == 2 and "has num_key_value_heads=4, the model being trained 16" in out.stderr, out.stderr
+
 
 def _load_pickled_checkpoint(path: str) -> str:
     from types import SimpleNamespace
@@ -216,11 +239,11 @@ def _load_pickled_checkpoint(path: str) -> str:
     from titanlite.checkpoint import Checkpointer
     from titanlite.config import ConfigError, parse_args
 
-    # A checkpoint whose train.step is a Python object: DCP would unpickle it on load.
-    dcp.save({"train": {"step": 7, "tokens_seen": torch.tensor(0)}}, checkpoint_id=path)
+    # A checkpoint whose train_state.step is a Python object: DCP would unpickle it on load.
+    dcp.save({"train_state": {"step": 7, "tokens_seen": torch.tensor(0)}}, checkpoint_id=path)
     checkpointer = Checkpointer(parse_args([]), SimpleNamespace())
     try:
-        checkpointer.load_from(__import__("pathlib").Path(path), {"train"})
+        checkpointer.load_from(__import__("pathlib").Path(path), {"train_state"})
     except ConfigError as e:
         return str(e)
     return "loaded"
@@ -230,7 +253,7 @@ def test_loading_refuses_non_tensor_entries(tmp_path):
     from distributed import run_distributed
 
     (message,) = run_distributed(_load_pickled_checkpoint, 1, str(tmp_path / "bad"))
-    assert "entry 'train.step' is not a tensor; refusing to unpickle it" in message
+    assert "entry 'train_state.step' is not a tensor; refusing to unpickle it" in message
 
 
 class _RunsCode:

@@ -26,7 +26,7 @@ def run_train(env: dict, args: list[str], timeout: int = 300):
 
 
 def test_profiler_writes_traces_per_rank(corpus_jsonl, tmp_path):
-    out = run_train({"NGPU": "2"}, tiny_args(corpus_jsonl, tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+    out = run_train({"NGPU": "2"}, tiny_args(corpus_jsonl, tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "1",
                                              "--profiling.enable_memory_snapshot", "--training.steps", "4")[2:])
     assert out.returncode == 0, out.stderr[-3000:]
     traces = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "profile_traces").rglob("*.json"))

@@ -181,9 +181,14 @@ class Trainer:
             register_cpu_ring_attention()
         if device.type == "meta":
             return  # dry run: nothing to materialize
+        offload = t.enable_cpu_offload and device.type == "cuda"
         for part in self.model_parts:
-            part.to_empty(device=device)
+            # FSDP's CPU offload keeps the sharded parameters in host memory; buffers (RoPE) live on the GPU.
+            part.to_empty(device="cpu" if offload else device)
             part.init_weights(self.seed, assign=assign_full_value)
+            if offload:
+                for module in part.modules():
+                    module._buffers.update({k: v.to(device) for k, v in module._buffers.items() if v is not None})
             part.train()
         self.loss_scale = torch.ones((), device=device)  # the global token count of the current step
         self.pp_schedule = None

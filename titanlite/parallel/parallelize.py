@@ -66,7 +66,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
     dtype = param_dtype(config, device_type)
     # FSDP also carries mixed precision and CPU offload, so a single device gets those too.
     t = config.training
-    if dims.dp_enabled or dims.cp_enabled or dtype != DTYPES[t.dtype] or t.enable_cpu_offload:
+    offload = t.enable_cpu_offload and device_type == "cuda"  # on CPU the parameters live in host memory already
+    if dims.dp_enabled or dims.cp_enabled or dtype != DTYPES[t.dtype] or offload:
         reshard = {"default": not dims.pp_enabled, "always": True, "never": False}[p.fsdp_reshard_after_forward]
         for converter in converters:
             converter.before_fsdp(model)
@@ -77,7 +78,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             reshard_after_forward=reshard,
             reshard_output_after_forward=p.fsdp_reshard_after_forward == "always",
-            cpu_offload=t.enable_cpu_offload,
+            cpu_offload=offload,
         )
     return model
 
