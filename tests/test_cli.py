@@ -64,7 +64,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
              "--parallelism.pipeline_parallel_layers_per_stage", "1"], "needs exactly 2 stages per rank"),
         # The run's inputs, checked before launch too.
         (1, ["--training.dataset", str(tmp_path / "missing.jsonl")], "missing.jsonl' matches no files"),
-        (1, ["--model.hf_assets_path", str(tmp_path / "tokenizer.json")], "is not a file or a folder with tokenizer.json"),
+        (1, ["--model.hf_assets_path", str(tmp_path / "tokenizer.json")], "is not a tokenizer file or a folder with tokenizer.json"),
         (1, ["--training.dataset", "allenai/c4"], "is a Hugging Face hub dataset, but HF_HUB_OFFLINE"),
         (2, ["--training.global_batch_size", "12"], "not a multiple of local_batch_size x dp = 8 x 2"),
         (1, ["--checkpoint.enable", "--checkpoint.load_step", "7", "--job.dump_folder", str(tmp_path)], "load_step=7 has no complete checkpoint"),
@@ -109,6 +109,8 @@ def test_parallel_layouts_match_one_process_through_the_cli(corpus_jsonl, tmp_pa
                     "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
         "fsdp2_tp2": (4, ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]),
     }
+    for _, extra in runs.values():  # validation batches of the same global size (4 sequences) on every layout
+        extra += ["--validation.local_batch_size", extra[1]]
     losses = {}
     for name, (nproc, extra) in runs.items():
         out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra))

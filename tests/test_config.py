@@ -164,6 +164,31 @@ def test_unknown_key_in_toml(tmp_path):
         parse_args(["--job.config_file", str(toml)])
 
 
+# The keys TorchTitan v0.2.2's own llama3 configs (debug_model, 8B, 70B, 405B) set.
+TORCHTITAN_CONFIG_KEYS = """
+activation_checkpoint.mode activation_checkpoint.selective_ac_option checkpoint.async_mode checkpoint.enable
+checkpoint.export_dtype checkpoint.folder checkpoint.interval checkpoint.last_save_model_only compile.components
+compile.enable job.description job.dump_folder job.print_config lr_scheduler.decay_ratio lr_scheduler.decay_type
+lr_scheduler.min_lr_factor lr_scheduler.warmup_steps metrics.disable_color_printing metrics.enable_tensorboard
+metrics.enable_wandb metrics.log_freq metrics.save_tb_folder model.converters model.flavor model.hf_assets_path
+model.name optimizer.eps optimizer.lr optimizer.name parallelism.context_parallel_degree
+parallelism.data_parallel_replicate_degree parallelism.data_parallel_shard_degree
+parallelism.enable_async_tensor_parallel parallelism.fsdp_reshard_after_forward parallelism.pipeline_parallel_degree
+parallelism.pipeline_parallel_schedule parallelism.tensor_parallel_degree profiling.enable_memory_snapshot
+profiling.enable_profiling profiling.profile_freq profiling.save_memory_snapshot_folder profiling.save_traces_folder
+quantize.linear.float8.enable_fsdp_float8_all_gather quantize.linear.float8.filter_fqns
+quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp training.dataset training.local_batch_size
+training.max_norm training.seq_len training.steps validation.dataset validation.enable validation.freq validation.steps
+""".split()
+
+
+def test_shipped_configs_use_every_key_torchtitans_configs_do():
+    from titanlite.config import _toml_pairs
+
+    ours = {key for path in (REPO / "train_configs").glob("*.toml") for key, _ in _toml_pairs(load_toml(str(path)))}
+    assert set(TORCHTITAN_CONFIG_KEYS) <= ours, sorted(set(TORCHTITAN_CONFIG_KEYS) - ours)
+
+
 def test_every_shipped_config_loads():
     for path in sorted((REPO / "train_configs").glob("*.toml")):
         assert parse_args(["--job.config_file", str(path)]).job.config_file == str(path)

@@ -72,6 +72,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
 
     validation = ["--validation.dataset", dataset, "--validation.steps", str(VALIDATION_STEPS), "--training.data_split", "sequences"]
     config = parse_args(tiny_args(dataset, dump_folder, "--training.steps", str(STEPS), *validation, *overrides))
+    config.validation.local_batch_size = config.training.local_batch_size  # the pipeline's stages have fixed shapes
     trainer = Trainer(config, torch.device("cpu"))
     t, o, s = config.training, config.optimizer, config.lr_scheduler
 

@@ -29,8 +29,8 @@ def test_profiler_writes_traces_per_rank(corpus_jsonl, tmp_path):
     out = run_train({"NGPU": "2"}, tiny_args(corpus_jsonl, tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "1",
                                              "--profiling.enable_memory_snapshot", "--training.steps", "4")[2:])
     assert out.returncode == 0, out.stderr[-3000:]
-    traces = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "profile_traces").rglob("*.json"))
-    assert traces == [f"profile_traces/iteration_{s}/rank{r}_trace.json" for s in (2, 4) for r in (0, 1)]
+    traces = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "profile_trace").rglob("*.json"))
+    assert traces == [f"profile_trace/iteration_{s}/rank{r}_trace.json" for s in (2, 4) for r in (0, 1)]
     assert "traceEvents" in (tmp_path / traces[0]).read_text()[:1000]
     assert "memory snapshots need a GPU" in out.stdout
 

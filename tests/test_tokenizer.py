@@ -86,5 +86,5 @@ def _bytes_to_unicode():
 
 
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="model.tokenizer_path='.*nope' is not a file"):
+    with pytest.raises(ConfigError, match="model.hf_assets_path='.*nope' is not a tokenizer file"):
         build_tokenizer(str(tmp_path / "nope"))

@@ -34,10 +34,17 @@ def losses(folder) -> list[float]:
     return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-def test_float8_converter_print_config_and_save_config_on_two_ranks(corpus_jsonl, tmp_path):
+def test_float8_converter_config_printing_all_ranks_metrics_and_whole_validation_on_two_ranks(corpus_jsonl, tmp_path):
+    small = tmp_path / "validation.jsonl"
+    small.write_text("".join(corpus_jsonl.read_text().splitlines(keepends=True)[:20]))
     out = run(2, tiny_args(corpus_jsonl, tmp_path, "--training.steps", "2", "--model.converters", "float8",
                            "--quantize.linear.float8.emulate", "true", "--job.print_config",
-                           "--job.save_config_file", "resolved/config.json", "--model.print_after_conversion"))
+                           "--job.save_config_file", "resolved/config.json", "--model.print_after_conversion",
+                           "--metrics.enable_tensorboard", "true", "--metrics.save_for_all_ranks",
+                           "--validation.enable", "--validation.dataset", str(small), "--validation.steps", "-1"))
+    assert sorted(p.parent.name for p in (tmp_path / "tb").rglob("events.out.tfevents.*")) == ["rank_0", "rank_1"]
+    (validation,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert validation["step"] == 2 and validation["val_loss"] > 0  # the whole (finite) set, then on
     assert "float8 tensorwise: 42 linear layers (emulated in high precision)" in out.stdout  # 6 blocks x 7; output filtered
     assert "Float8Linear(" in out.stdout  # print_after_conversion
     saved = json.loads((tmp_path / "resolved" / "config.json").read_text())

@@ -112,7 +112,7 @@ def test_validation_drops_a_partial_batch_under_pipeline_microbatches(corpus_jso
     """PP 2 with 4 microbatches of 1: 6 windows make one full batch of 4 and a partial one of 2,
     which no microbatch split fits; the partial batch is dropped."""
     validation = _documents(tmp_path / "val.jsonl", [196])  # 198 tokens with BOS/EOS: 6 windows of 33
-    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4", "--validation.local_batch_size", "4"]
     losses = run_distributed(_validate, 2, str(corpus_jsonl), str(tmp_path / "run"), validation, pp, timeout=120)
     assert losses[0] == losses[1] and losses[0] == losses[0], losses
 
