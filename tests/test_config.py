@@ -116,7 +116,10 @@ def test_torchtitan_nested_sections_load(tmp_path):
     assert config.training.steps == 3 and config.debug.seed == 5
     assert parse_args([]).float8 is None  # no converter, no float8
     toml.write_text("[quantize.linear.float9]\nemulate = true\n")
-    with pytest.raises(ConfigError, match="did you mean 'quantize.linear.float8'"):
+    with pytest.raises(ConfigError, match=r"unknown config section \[quantize.linear.float9\]; did you mean 'quantize.linear.float8'"):
+        parse_args(["--job.config_file", str(toml)])
+    toml.write_text("[float8]\nemulate = true\n")  # an older titanlite config
+    with pytest.raises(ConfigError, match="'float8.emulate' is not in the TorchTitan v0.2 schema titanlite uses; use quantize"):
         parse_args(["--job.config_file", str(toml)])
 
 

@@ -74,6 +74,7 @@ def test_debug_seed_none_draws_one_shared_seed_and_a_seed_repeats_a_run(corpus_j
     same = ["--training.steps", "1", "--training.data_split", "sequences"]
     out = run(2, tiny_args(corpus_jsonl, tmp_path / "drawn", *same, "--debug.seed", "none"))
     seed = int(out.stdout.split("debug.seed is none: seed ")[1].split()[0])
+    assert f"seed = {seed}" in (tmp_path / "drawn" / "config.toml").read_text()  # the saved config repeats the run
     again = run(1, tiny_args(corpus_jsonl, tmp_path / "set", *same, "--debug.seed", str(seed), "--training.local_batch_size", "4"))
     assert "drawn at random" not in again.stdout
     # FSDP ranks initialize their own shards: only one seed shared by both gives 1 process's weights.

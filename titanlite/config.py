@@ -659,9 +659,9 @@ def _toml_pairs(table: dict, prefix: str = "") -> list[tuple[str, object]]:
     for k, v in table.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and key not in LEAVES:
-            if key not in SECTIONS:
+            if not v and key not in SECTIONS:
                 raise ConfigError(f"unknown config section [{key}]{_closest(key, SECTIONS)} (run with --help for all keys)")
-            pairs += _toml_pairs(v, key + ".")
+            pairs += _toml_pairs(v, key + ".")  # its keys name a section, an old name (MOVED) or a near miss
         elif not prefix:
             raise ConfigError(f"top-level key '{k}' in the TOML file must be a [section] table")
         else:

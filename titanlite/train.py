@@ -148,7 +148,8 @@ class Trainer:
         t = config.training
         self.dims = ParallelDims.from_config(config, dist.get_world_size())
         self.dims.build_mesh("cpu" if device.type == "meta" else device.type)
-        self.seed = set_determinism(config, device)
+        # The seed used goes into the saved config, so the config reproduces the run.
+        self.seed = config.debug.seed = set_determinism(config, device)
 
         tokenizer_key, tokenizer_value = config.tokenizer
         self.tokenizer = build_tokenizer(tokenizer_value, tokenizer_key)
@@ -479,9 +480,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = parse_args(argv)
         device = init_distributed(config)
+        trainer = Trainer(config, device)
         if dist.get_rank() == 0:
             record_config(config)
-        trainer = Trainer(config, device)
         if config.dry_run:
             trainer.describe_dry_run()
         else:
