@@ -33,11 +33,9 @@ if [ "$NGPU" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --job.config_file "$CONFIG_FILE" "$@" ${COMM_MODE:+--comm.mode "$COMM_MODE"}
 for arg in "$@"; do case "$arg" in -h|--help) exit 0 ;; esac; done
 
-if [ -n "$COMM_MODE" ]; then  # fake_backend: a dry run in this one process (as TorchTitan's COMM_MODE)
+if [ "$COMM_MODE" = "fake_backend" ]; then  # a dry run in this one process, as TorchTitan's COMM_MODE
     WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" --comm.mode "$COMM_MODE"
 fi
-# Ranks write to pipes under torchrun: tell them whether the console line may be coloured.
-if [ -t 1 ]; then export TITANLITE_COLOR=${TITANLITE_COLOR:-1}; fi
 
 if [ "$NNODES" -gt 1 ]; then
     RENDEZVOUS=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
@@ -50,4 +48,4 @@ fi
 # titanlite.torchrun is torchrun that shows a failed rank's one-line error instead of its traceback.
 exec "$PYTHON" -m titanlite.torchrun "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" --max-restarts "${MAX_RESTARTS:-0}" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m titanlite.train --job.config_file "$CONFIG_FILE" "$@"
+    -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" ${COMM_MODE:+--comm.mode "$COMM_MODE"}

@@ -16,25 +16,26 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanlite.checkpoint import read_model_weights
+from titanlite.checkpoint import read_tensor_metadata, write_hf
 from titanlite.config import ConfigError
-from titanlite.hf import load_hf, save_hf
+from titanlite.hf import load_hf
 from titanlite.models.args import LLAMA3_FLAVORS
 
 
 def to_hf(args) -> None:
-    state = read_model_weights(args.checkpoint)
-    vocab, dim = state["tok_embeddings.weight"].shape
-    n_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+    _, metadata = read_tensor_metadata(args.checkpoint, {"model"})
+    shapes = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items() if k.startswith("model.")}
+    vocab, dim = shapes["tok_embeddings.weight"]
+    n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
     model_args = replace(LLAMA3_FLAVORS[args.flavor], vocab_size=vocab, max_seq_len=args.max_seq_len)
     if (model_args.dim, model_args.n_layers) != (dim, n_layers):
         raise SystemExit(f"--flavor {args.flavor} has dim {model_args.dim} x {model_args.n_layers} layers; the checkpoint has {dim} x {n_layers}")
-    save_hf(state, model_args, args.out, getattr(torch, args.dtype))
-    print(f"wrote {args.out}/model.safetensors and config.json ({sum(v.numel() for v in state.values()):,} params)")
+    write_hf(args.checkpoint, args.out, model_args, getattr(torch, args.dtype))
+    print(f"wrote {args.out} (safetensors and config.json)")
 
 
 def from_hf(args) -> None:
-    state, _ = load_hf(args.hf_folder)
+    state = load_hf(args.hf_folder)
     dcp.save({"model": {k: v.float() for k, v in state.items()}}, checkpoint_id=str(args.out), no_dist=True)
     print(f"wrote DCP checkpoint {args.out} ({len(state)} tensors); start a run with --checkpoint.initial_load_path {args.out}")
 

@@ -50,6 +50,45 @@ def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path):
     assert "final loss" in out.stdout and "this run: 10 steps, 640 tokens in" in out.stdout
 
 
+def test_a_model_only_final_save_is_passed_over_when_resuming(corpus_jsonl, tmp_path):
+    """last_save_model_only (TorchTitan's default) makes the last save weights only: extending the run
+    resumes from the newest full checkpoint instead of restarting at step 0 from those weights."""
+    args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps),
+                                           "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "true")
+    torchrun(1, args(tmp_path / "straight", 5))
+    torchrun(1, args(tmp_path / "extended", 3))  # full step-2, model-only step-3
+    out = torchrun(1, args(tmp_path / "extended", 5))
+    assert "step-3 holds the model only (last_save_model_only); resuming from step-2" in out.stdout
+    assert f"loaded checkpoint {tmp_path / 'extended' / 'checkpoint' / 'step-2'} (" in out.stdout
+    straight, extended = losses(tmp_path / "straight"), losses(tmp_path / "extended")
+    assert [extended[s] for s in (3, 4, 5)] == [straight[s] for s in (3, 4, 5)]
+    # Only a model-only checkpoint: one line saying how to start from its weights.
+    only = lambda steps: tiny_args(corpus_jsonl, tmp_path / "only", *COMMON, "--training.steps", str(steps),
+                                   "--checkpoint.last_save_model_only", "true")
+    torchrun(1, only(1))
+    out = run_command([sys.executable, "-m", "titanlite.train", *only(2)], cwd=REPO)
+    assert out.returncode == 2 and "holds the model only (checkpoint.last_save_model_only=true)" in out.stderr, out.stderr
+    assert f"checkpoint.initial_load_path={tmp_path / 'only' / 'checkpoint' / 'step-1'}" in out.stderr
+
+
+def test_a_checkpoint_of_the_older_layout_is_refused_in_one_line(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.checkpoint import Checkpointer
+    from titanlite.config import ConfigError
+
+    old = tmp_path / "step-4"
+    dcp.save({"model": {"w": torch.zeros(2)}, "train": {"step": torch.tensor(4)}}, checkpoint_id=str(old), no_dist=True)
+    with pytest.raises(ConfigError, match="older than its TorchTitan v0.2.2 schema .*checkpoint.initial_load_path="):
+        Checkpointer.resumable(old)
+    new = tmp_path / "step-5"
+    dcp.save({"model": {"w": torch.zeros(2)}, "train_state": {"step": torch.tensor(5)}}, checkpoint_id=str(new), no_dist=True)
+    assert Checkpointer.resumable(new)
+    model_only = tmp_path / "step-6"
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(model_only), no_dist=True)
+    assert not Checkpointer.resumable(model_only)
+
+
 def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
     layout = ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "debugmodel_gqa"]
     args = lambda folder: tiny_args(corpus_jsonl, folder, *COMMON, *layout, "--training.steps", "10", "--checkpoint.interval", "5")

@@ -89,7 +89,9 @@ def test_schema_has_every_torchtitan_v0_2_2_key_with_its_default():
     [
         (["--fault_tolerance.enable"], ["fault_tolerance.enable=True is not implemented", "default False", "TorchFT"]),
         (["--quantize.linear.mx.recipe_name", "mxfp8_emulated"], ["quantize.linear.mx.recipe_name='mxfp8_emulated'", "float8"]),
-        (["--model.converters", "float8,mx"], ["model.converters=['float8', 'mx']", "'mx' is not implemented", "float8"]),
+        (["--model.converters", "float8,quantize.linear.mx"], ["'quantize.linear.mx' is not implemented", "float8"]),
+        (["--model.converters", "quantize.grouped_mm.float8"], ["is not implemented", "mixture-of-experts"]),
+        (["--model.converters", "float8,quantize.linear.float8"], ["names a converter twice", "list each once"]),
         (["--activation_checkpoint.mode", "memory_budget"], ["'memory_budget' is not implemented", "'selective' or 'full'"]),
         (["--parallelism.context_parallel_load_balancer", "ptrr"], ["'ptrr' is not implemented", "headtail"]),
         (["--comm.mode", "local_tensor"], ["'local_tensor' is not implemented", "fake_backend"]),
@@ -115,6 +117,7 @@ def test_torchtitan_nested_sections_load(tmp_path):
     assert config.training.dataloader.num_workers == 2 and config.training.dataloader.pin_memory
     assert config.training.steps == 3 and config.debug.seed == 5
     assert parse_args([]).float8 is None  # no converter, no float8
+    assert parse_args(["--model.converters", "quantize.linear.float8"]).float8 is not None  # TorchTitan's registered name
     toml.write_text("[quantize.linear.float9]\nemulate = true\n")
     with pytest.raises(ConfigError, match=r"unknown config section \[quantize.linear.float9\]; did you mean 'quantize.linear.float8'"):
         parse_args(["--job.config_file", str(toml)])
@@ -148,7 +151,7 @@ def test_torchtitan_nested_sections_load(tmp_path):
         (["--validation.steps", "0"], ["validation.steps=0", "-1"]),
         (["--quantize.linear", "1"], ["'quantize.linear' is a section"]),
         (["--compile.components", "model,optimizer"], ["compile.components", "'optimizer'", "model, loss"]),
-        (["--model.converters", "float9"], ["model.converters=['float9']", "choose from: float8"]),
+        (["--model.converters", "float9"], ["model.converters=['float9']", "choose from: quantize.linear.float8, float8"]),
     ],
 )
 def test_bad_input_names_key_value_and_fix(args, words):

@@ -42,7 +42,8 @@ def test_float8_converter_config_printing_all_ranks_metrics_and_whole_validation
                            "--job.save_config_file", "resolved/config.json", "--model.print_after_conversion",
                            "--metrics.enable_tensorboard", "true", "--metrics.save_for_all_ranks",
                            "--validation.enable", "--validation.dataset", str(small), "--validation.steps", "-1"))
-    assert sorted(p.parent.name for p in (tmp_path / "tb").rglob("events.out.tfevents.*")) == ["rank_0", "rank_1"]
+    assert sorted(p.relative_to(tmp_path / "tb").parts[0] for p in (tmp_path / "tb").rglob("events.out.tfevents.*")) == [
+        "rank_0", "rank_1"]
     (validation,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     assert validation["step"] == 2 and validation["val_loss"] > 0  # the whole (finite) set, then on
     assert "float8 tensorwise: 42 linear layers (emulated in high precision)" in out.stdout  # 6 blocks x 7; output filtered
@@ -82,8 +83,15 @@ def test_debug_seed_none_draws_one_shared_seed_and_a_seed_repeats_a_run(corpus_j
 
 
 def test_full_bf16_and_loader_workers_train(corpus_formats, tmp_path):
-    run(1, tiny_args(corpus_formats["shards"], tmp_path / "bf16", "--training.steps", "2", "--training.dtype", "bfloat16"))
+    from titanlite.checkpoint import read_tensor_metadata
+
+    run(1, tiny_args(corpus_formats["shards"], tmp_path / "bf16", "--training.steps", "2", "--training.dtype", "bfloat16",
+                     "--checkpoint.enable"))
     assert len(losses(tmp_path / "bf16")) == 2 and all(torch.isfinite(torch.tensor(losses(tmp_path / "bf16"))))
+    _, saved = read_tensor_metadata(tmp_path / "bf16" / "checkpoint" / "step-2", ())
+    weights = [m for key, m in saved.items() if key.startswith("model.")]
+    moments = [m for key, m in saved.items() if key.startswith("optimizer.") and key.endswith(("exp_avg", "exp_avg_sq"))]
+    assert weights and moments and {m.properties.dtype for m in weights + moments} == {torch.bfloat16}
     common = ["--training.steps", "3", "--training.data_split", "documents"]
     run(2, tiny_args(corpus_formats["shards"], tmp_path / "plain", *common))
     run(2, tiny_args(corpus_formats["shards"], tmp_path / "worker", *common, "--training.dataloader.num_workers", "1",
@@ -100,6 +108,10 @@ def test_two_loader_workers_resume_exactly(corpus_formats, tmp_path):
     out = run(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers, "--training.steps", "4"))
     assert "loaded checkpoint" in out.stdout and "at step 2" in out.stdout
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+    # Another worker count reads the files in another order: the data restarts, said so, the rest resumes.
+    out = run(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers[2:], "--training.steps", "6"))
+    assert "data position NOT restored: saved with training.dataloader.num_workers=2, now 0" in out.stdout
+    assert "at step 4" in out.stdout
     one_file = run_train_sh(1, tiny_args(corpus_formats["jsonl"], tmp_path / "one", "--training.dataloader.num_workers", "2"))
     assert one_file.returncode == 2 and one_file.stderr.strip().count("\n") == 0, one_file.stderr
     assert "training.dataloader.num_workers=2 but the train data has 1 file(s)" in one_file.stderr
@@ -150,25 +162,60 @@ def test_pipeline_stage_split_counts_the_embedding_and_output_as_torchtitan_does
 
 def test_console_colours_on_a_terminal_only(monkeypatch):
     from titanlite.config import parse_args
-    from titanlite.metrics import use_color
+    from titanlite.metrics import RESET, colorize, use_color
 
     class Terminal:
         def isatty(self):
             return True
 
     monkeypatch.delenv("NO_COLOR", raising=False)
-    monkeypatch.delenv("TITANLITE_COLOR", raising=False)
     assert use_color(parse_args([]), Terminal())
     assert not use_color(parse_args(["--metrics.disable_color_printing"]), Terminal())
     assert not use_color(parse_args([]), open(os.devnull, "w"))
-    monkeypatch.setenv("TITANLITE_COLOR", "1")  # run_train.sh: the launching terminal is one
-    assert use_color(parse_args([]), open(os.devnull, "w"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not use_color(parse_args([]), Terminal())
+    line = "step      3 | loss   5.1234 | grad_norm   0.500 | lr 1.00e-03 | tps     1,234 | mfu 12.50% | mem   0.50 GiB"
+    assert colorize(line).count(RESET) == 5 and colorize("titanlite: done") == "titanlite: done"
 
 
-def test_console_line_in_a_file_has_no_colour_codes(corpus_jsonl, tmp_path):
+def read_terminal(cmd: list[str], env: dict, timeout: float = 300) -> str:
+    """What a command writes to a terminal (a pseudo-terminal as its stdout)."""
+    import pty
+    import select
+    import subprocess
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=slave, stderr=subprocess.DEVNULL, cwd=REPO, env=env, start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 1)[0]:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the command closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait()
+    os.close(master)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_console_line_is_coloured_on_a_terminal_and_plain_in_a_file(corpus_jsonl, tmp_path):
     env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable}
-    out = run_command(["./run_train.sh", *tiny_args(corpus_jsonl, tmp_path, "--training.steps", "1")[2:]], cwd=REPO, env=env)
-    assert out.returncode == 0 and "step      1 | loss" in out.stdout and "\033[" not in out.stdout
+    env.pop("NO_COLOR", None)
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "1")[2:]
+    terminal = read_terminal(["./run_train.sh", *args], env)
+    assert "\033[36mloss" in terminal and "done: 1 steps" in terminal, terminal[-2000:]
+    plain = read_terminal(["./run_train.sh", *args, "--metrics.disable_color_printing"], env)
+    assert "done: 1 steps" in plain and "\033[" not in plain
+    piped = run_command(["./run_train.sh", *args], cwd=REPO, env=env)
+    assert piped.returncode == 0 and "step      1 | loss" in piped.stdout and "\033[" not in piped.stdout
 
 
 def wandb_history(run_folder) -> list[dict]:

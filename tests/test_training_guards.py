@@ -129,7 +129,7 @@ def _timeouts(dataset: str, folder: str) -> dict:
     default = torch.distributed.distributed_c10d._get_default_group()
     return {
         "training": default._get_backend(cpu).options._timeout.total_seconds(),
-        "async_checkpoint": trainer.checkpointer.async_group._get_backend(cpu).options._timeout.total_seconds(),
+        "async_checkpoint": trainer.checkpointer.checkpoint_group._get_backend(cpu).options._timeout.total_seconds(),
     }
 
 

@@ -43,13 +43,12 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import plain_tensor
-from titanlite.hf import check_hf_shapes, load_hf, save_hf
+from titanlite.hf import check_hf_shapes, iter_hf, read_hf_config, save_hf
 from titanlite.metrics import log_line
 from titanlite.models.llama import canonical_fqn
-from titanlite.parallel.parallelize import assign_full_value
+from titanlite.parallel.parallelize import DTYPES, assign_full_value
 
 PARTS = ("model", "optimizer", "lr_scheduler", "train_state", "dataloader")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def json_tensor(obj) -> torch.Tensor:
@@ -149,16 +148,24 @@ def read_tensor_metadata(path: Path, parts) -> tuple[SafeFileSystemReader, dict]
     return reader, metadata
 
 
-def read_model_weights(checkpoint: Path) -> dict:
-    """The model weights of a DCP checkpoint as full tensors on this process (any layout saved them)."""
-    reader, metadata = read_tensor_metadata(checkpoint, {"model"})
+def read_model_weights(checkpoint: Path, names=None, found=None) -> dict:
+    """The model weights of a DCP checkpoint (those in `names`, or all) as full tensors on this
+    process, whatever layout saved them. `found`: its read_tensor_metadata, when read already."""
+    reader, metadata = found or read_tensor_metadata(checkpoint, {"model"})
     state = {
         key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
         for key, m in metadata.items()
-        if key.startswith("model.")
+        if key.startswith("model.") and (names is None or key.removeprefix("model.") in names)
     }
     dcp.load({"model": state}, storage_reader=reader, no_dist=True)
     return state
+
+
+def write_hf(checkpoint: Path, out: Path, args, dtype: torch.dtype) -> None:
+    """A DCP checkpoint's model as a Hugging Face folder, one safetensors shard in memory at a time."""
+    found = read_tensor_metadata(checkpoint, {"model"})
+    sizes = {k.removeprefix("model."): m.size.numel() for k, m in found[1].items() if k.startswith("model.")}
+    save_hf(lambda names: read_model_weights(checkpoint, set(names), found), sizes, args, out, dtype)
 
 
 def discard(folder: Path) -> None:
@@ -199,10 +206,13 @@ class Checkpointer:
         self.is_coordinator = dist.get_rank() == 0
         self.pending = None  # (future, tmp folder, final folder) of an async save in flight
         # Async saves get their own gloo group: sharing the training group corrupts its collectives.
-        # Its own timeout, too: the collective timeout set after the first step is for training.
-        self.async_group = None
-        if self.c.enable and self.c.async_mode != "disabled":
-            self.async_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.checkpoint_timeout_seconds))
+        # Its own timeout, too: the collective timeout set after the first step is for training, and
+        # this group also waits for rank 0 to convert a final save to Hugging Face format.
+        self.checkpoint_group = None
+        if self.c.enable and (self.c.async_mode != "disabled" or self.c.last_save_in_hf):
+            self.checkpoint_group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=config.comm.checkpoint_timeout_seconds)
+            )
         if self.c.enable and self.is_coordinator:
             self.remove_unfinished()
 
@@ -234,7 +244,8 @@ class Checkpointer:
         }
         if torch.cuda.is_available():
             train["rng_cuda"] = torch.cuda.get_rng_state()
-        loader = {"dp_degree": t.dp_degree, "state": t.dataloader.state_dict()}
+        workers = t.config.training.dataloader.num_workers
+        loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict()}
         return {
             "model": model_state(t.model_parts),
             "optimizer": tensors_only(optimizer_state(t.model_parts, t.optimizers)),
@@ -267,7 +278,7 @@ class Checkpointer:
         start = time.perf_counter()
         state = self.state(model_only, dtype)
         if asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group, **self.stager())
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.checkpoint_group, **self.stager())
             self.pending = (future, tmp, final)
             log_line(f"checkpoint step {step}: async save started ({time.perf_counter() - start:.2f}s blocking)")
             return
@@ -281,13 +292,14 @@ class Checkpointer:
 
     def convert_to_hf(self, folder: Path) -> None:
         """Rewrite a model-only DCP save as Hugging Face safetensors + config.json, in place (through
-        the converter scripts/convert_hf.py uses): any layout wrote it, one rank converts it."""
+        the converter scripts/convert_hf.py uses): any layout wrote it, rank 0 converts it shard by
+        shard while the others wait on the checkpoint group (its timeout is long)."""
         if self.is_coordinator:
-            weights = read_model_weights(folder)
-            for path in list(folder.iterdir()):
+            dcp_files = list(folder.iterdir())
+            write_hf(folder, folder, self.trainer.model_parts[0].args, DTYPES[self.c.export_dtype])
+            for path in dcp_files:
                 path.unlink()
-            save_hf(weights, self.trainer.model_parts[0].args, folder, DTYPES[self.c.export_dtype])
-        dist.barrier()
+        dist.barrier(group=self.checkpoint_group)
 
     def stager(self) -> dict:
         """async_with_pinned_mem: copy GPU tensors to a reused pinned host buffer (faster device->host)."""
@@ -334,6 +346,8 @@ class Checkpointer:
         if found is None:
             return False
         path, own = found
+        if own:
+            path = self.resume_point(path)
         if is_hf_checkpoint(path):
             self.load_hf_weights(path)
             return True
@@ -341,15 +355,59 @@ class Checkpointer:
         self.load_from(path, parts - set(self.c.exclude_from_loading))
         return True
 
+    def resume_point(self, chosen: Path) -> Path:
+        """The run's own checkpoint to resume: `chosen` if it holds the training state (or is the
+        step-0 seed), else the newest one that does. A model-only final save (last_save_model_only,
+        last_save_in_hf) cannot continue training, so resuming past it would restart at step 0."""
+        if self.resumable(chosen):
+            return chosen
+        if self.c.load_step >= 0:
+            raise ConfigError(
+                f"checkpoint.load_step={self.c.load_step}: {chosen} holds the model only (a last_save_model_only "
+                "save) and cannot resume training; choose a full checkpoint, or start a new run from its weights "
+                f"with checkpoint.initial_load_path={chosen} in another job.dump_folder"
+            )
+        for step in reversed(complete_steps(self.folder)):
+            candidate = self.folder / f"step-{step}"
+            if self.resumable(candidate):
+                log_line(f"{chosen.name} holds the model only (last_save_model_only); resuming from {candidate.name}")
+                return candidate
+        raise ConfigError(
+            f"the run's newest checkpoint {chosen} holds the model only (checkpoint.last_save_model_only=true) and "
+            "there is no full one to resume training from; start a new run from its weights with "
+            f"checkpoint.initial_load_path={chosen} in another job.dump_folder"
+        )
+
+    @staticmethod
+    def resumable(path: Path) -> bool:
+        if is_hf_checkpoint(path):
+            return False
+        keys = {key.split(".", 1)[0] for key in read_tensor_metadata(path, ())[1]}
+        if "train" in keys:
+            raise ConfigError(
+                f"checkpoint '{path}' was written by a titanlite older than its TorchTitan v0.2.2 schema (a 'train' "
+                "part, now 'train_state' and 'lr_scheduler'); resume it with that titanlite, or start from its "
+                f"weights with checkpoint.initial_load_path={path} in another job.dump_folder"
+            )
+        return "train_state" in keys or path.name == "step-0"
+
     def load_hf_weights(self, folder: Path) -> None:
-        """Model weights from Hugging Face safetensors (every rank reads the files and keeps its shard)."""
+        """Model weights from Hugging Face safetensors: every rank reads them one tensor at a time and
+        keeps its shard of the parameters it holds."""
         t = self.trainer
-        weights, hf = load_hf(folder)
-        check_hf_shapes(hf, t.model_parts[0].args, folder)
-        for part in t.model_parts:
-            for name, param in part.named_parameters():
-                assign_full_value(param, weights[canonical_fqn(name)].to(param.dtype))
-        log_line(f"loaded Hugging Face weights from {folder} (model only) at step {t.step}")
+        check_hf_shapes(read_hf_config(folder)[0], t.model_parts[0].args, folder)
+        params = {canonical_fqn(name): p for part in t.model_parts for name, p in part.named_parameters()}
+        missing = set(params)
+        for name, tensor in iter_hf(folder):
+            if name in params:
+                assign_full_value(params[name], tensor.to(params[name].dtype))
+                missing.discard(name)
+        if missing:
+            raise ConfigError(
+                f"Hugging Face checkpoint '{folder}' lacks {len(missing)} weight(s) the model has, e.g. "
+                f"{sorted(missing)[0]} (tied embeddings are not supported); use a checkpoint of the same architecture"
+            )
+        log_line(f"loaded Hugging Face weights from {folder} (model only)")
 
     def load_from(self, path: Path, parts: set[str]) -> None:
         t = self.trainer
@@ -399,8 +457,16 @@ class Checkpointer:
     def load_dataloader(self, saved: dict) -> None:
         t = self.trainer
         states = {int(k[2:]): tensor_json(v) for k, v in saved.items()}
-        old_degree = next(iter(states.values()))["dp_degree"]
-        if old_degree == t.dp_degree:
+        saved_state = next(iter(states.values()))
+        old_degree, old_workers = saved_state["dp_degree"], saved_state["num_workers"]
+        workers = t.config.training.dataloader.num_workers
+        if old_workers != workers:
+            # Each worker reads its own files in its own order: the position of W workers means nothing to W'.
+            log_line(
+                f"data position NOT restored: saved with training.dataloader.num_workers={old_workers}, now {workers}; "
+                "the data starts from the beginning (model, optimizer, step and lr schedule are restored)"
+            )
+        elif old_degree == t.dp_degree:
             t.dataloader.load_state_dict(states[t.dp_rank]["state"])
         elif t.config.training.data_split == "sequences":
             # Every rank read the whole stream; the last rank's position is past every consumed window.

@@ -62,13 +62,14 @@ def section(cls):
 NO_MOE = "titanlite has no mixture-of-experts model yet"
 NO_TORCHFT = "titanlite has no TorchFT integration; restarts resume from checkpoints (MAX_RESTARTS)"
 NO_MX = "MX formats are not implemented; use model.converters = [\"float8\"]"
+FLOAT8_CONVERTERS = ("quantize.linear.float8", "float8")
 
 
 @dataclass
 class Job:
     config_file: str | None = opt(None, "TOML file to load; CLI overrides win over it")
     dump_folder: str = opt("./outputs", "run folder: metrics.jsonl, TensorBoard, checkpoints, resolved config")
-    description: str = opt("default job", "free text, printed at start")
+    description: str = opt("default job", "free text, at the start of the first log line")
     print_config: bool = opt(False, "print the resolved config (JSON) at start")
     save_config_file: str | None = opt(None, "also write the resolved config as JSON to this file, inside dump_folder")
     custom_config_module: str = opt("", "a module extending the JobConfig", not_implemented="add keys to titanlite/config.py")
@@ -93,8 +94,8 @@ class Metrics:
     save_tb_folder: str = opt("tb", "TensorBoard folder, inside dump_folder")
     save_for_all_ranks: bool = opt(
         False,
-        "every rank writes its own TensorBoard / W&B metrics (rank_<r> subfolders); false: one rank does (the first "
-        "rank of the last pipeline stage)",
+        "every rank writes its own TensorBoard folder (<save_tb_folder>/rank_<r>) and W&B run; false: rank 0 does "
+        "(its loss is the global one, summed over pipeline stages too)",
     )
     enable_wandb: bool = opt(False, "log the same scalars to Weights & Biases (pip install -e '.[wandb]'; WANDB_MODE=offline works)")
     peak_flops: float = opt(
@@ -117,8 +118,11 @@ class Model:
     )
     tokenizer_path: str | None = opt(None, "DEPRECATED in TorchTitan v0.2 (use hf_assets_path); when set, the tokenizer file or folder")
     converters: list[str] = opt(
-        [], "model converters, applied before parallelism: 'float8' (see [quantize.linear.float8])", choices=("float8", "mx"),
-        unsupported={"mx": NO_MX},
+        [],
+        "model converters, applied before parallelism: 'quantize.linear.float8' (TorchTitan's name) or 'float8' (the "
+        "name its configs use), set in [quantize.linear.float8]",
+        choices=FLOAT8_CONVERTERS + ("quantize.linear.mx", "quantize.grouped_mm.float8", "quantize.grouped_mm.mx"),
+        unsupported={"quantize.linear.mx": NO_MX, "quantize.grouped_mm.float8": NO_MOE, "quantize.grouped_mm.mx": NO_MOE},
     )
     print_after_conversion: bool = opt(False, "print the model after the converters")
     n_layers: int = opt(
@@ -189,7 +193,7 @@ class Training:
     )
     mixed_precision_reduce: str = opt("float32", "dtype of gradient reductions", choices=("float32",))
     gc_freq: int = opt(50, "run Python garbage collection every N steps (automatic GC is off while training)")
-    gc_debug: bool = opt(False, "collect garbage every step (to find reference cycles that hold tensors)")
+    gc_debug: bool = opt(False, "a full garbage collection every step (slow; memory held by reference cycles shows at once)")
     dataloader: DataLoader = section(DataLoader)
     dataset_text_field: str = opt("text", "the column holding the document text", extension=True)
     data_split: str = opt(
@@ -473,8 +477,8 @@ class JobConfig:
 
     @property
     def float8(self) -> Float8Linear | None:
-        """The float8 settings when `model.converters` has 'float8', else None."""
-        return self.quantize.linear.float8 if "float8" in self.model.converters else None
+        """The float8 settings when `model.converters` has float8, else None."""
+        return self.quantize.linear.float8 if set(FLOAT8_CONVERTERS) & set(self.model.converters) else None
 
     @property
     def tokenizer(self) -> tuple[str, str]:
@@ -734,7 +738,8 @@ def check_not_implemented(config: JobConfig) -> None:
     """A TorchTitan key titanlite does not implement is accepted only at its default."""
     for key, (f, _) in LEAVES.items():
         instead = f.metadata["not_implemented"]
-        if instead and get(config, key) != _default(f):
+        value, default = get(config, key), _default(f)
+        if instead and value != default and not (value in (None, "") and default in (None, "")):
             raise ConfigError(
                 f"{key}={get(config, key)!r} is not implemented in titanlite (a TorchTitan key, accepted only at its "
                 f"default {_default(f)!r}); {instead}"
@@ -795,6 +800,11 @@ def validate(config: JobConfig) -> None:
     _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
     _require(config.model.n_layers >= 0, f"model.n_layers={config.model.n_layers} must be >= 0 (0 = the flavor's)")
     _require(m.gpu_hour_cost >= 0, f"metrics.gpu_hour_cost={m.gpu_hour_cost} must be >= 0 (dollars; 0 = off)")
+    converters = config.model.converters
+    _require(
+        len(set(converters)) == len(converters) and len(set(FLOAT8_CONVERTERS) & set(converters)) <= 1,
+        f"model.converters={converters} names a converter twice ('float8' is 'quantize.linear.float8'); list each once",
+    )
     f8 = config.float8
     if f8 is not None:
         _require(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titanlite.config import JobConfig, float8_recipe
+from titanlite.config import FLOAT8_CONVERTERS, JobConfig, float8_recipe
 from titanlite.float8 import Float8Linear, convert_to_float8, enable_float8_all_gather, precompute_float8_scales
 
 
@@ -47,7 +47,7 @@ class Float8Converter:
         )
 
 
-CONVERTERS = {"float8": Float8Converter}
+CONVERTERS = dict.fromkeys(FLOAT8_CONVERTERS, Float8Converter)
 
 
 def build_converters(config: JobConfig) -> list:

@@ -14,6 +14,8 @@ import torch
 
 from titanlite.models.args import ModelArgs
 
+SHARD_BYTES = 5 * 2**30  # the shard size transformers writes by default (5 GB)
+
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -26,6 +28,8 @@ LAYER_NAMES = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+HF_TOP_NAMES = {v: k for k, v in TOP_NAMES.items()}
+HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -45,35 +49,28 @@ def rotary_heads(name: str, n_heads: int, n_kv_heads: int) -> int | None:
     return {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads}.get(name)
 
 
-def to_hf(state: dict, n_heads: int, n_kv_heads: int) -> dict:
-    out = {}
-    for name, w in state.items():
-        if name in TOP_NAMES:
-            out[TOP_NAMES[name]] = w
-            continue
-        layer, rest = LAYER.match(name).groups()
-        if heads := rotary_heads(rest, n_heads, n_kv_heads):
-            w = pairs_to_halves(w, heads)
-        out[f"model.layers.{layer}.{LAYER_NAMES[rest]}"] = w
-    return out
+def to_hf_tensor(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[str, torch.Tensor]:
+    """(Hugging Face name, tensor in its layout) of one titanlite parameter."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name], w
+    layer, rest = LAYER.match(name).groups()
+    if heads := rotary_heads(rest, n_heads, n_kv_heads):
+        w = pairs_to_halves(w, heads)
+    return f"model.layers.{layer}.{LAYER_NAMES[rest]}", w
 
 
-def from_hf(state: dict, n_heads: int, n_kv_heads: int) -> dict:
-    top = {v: k for k, v in TOP_NAMES.items()}
-    layer_names = {v: k for k, v in LAYER_NAMES.items()}
-    out = {}
-    for name, w in state.items():
-        if name in top:
-            out[top[name]] = w
-            continue
-        match = HF_LAYER.match(name)
-        if not match or match.group(2) not in layer_names:
-            continue  # e.g. rotary inv_freq buffers of old exports
-        layer, rest = match.group(1), layer_names[match.group(2)]
-        if heads := rotary_heads(rest, n_heads, n_kv_heads):
-            w = halves_to_pairs(w, heads)
-        out[f"layers.{layer}.{rest}"] = w
-    return out
+def from_hf_tensor(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[str, torch.Tensor] | None:
+    """(titanlite name, tensor in its layout) of one Hugging Face tensor; None for tensors titanlite
+    has no parameter for (e.g. rotary inv_freq buffers of old exports)."""
+    if name in HF_TOP_NAMES:
+        return HF_TOP_NAMES[name], w
+    match = HF_LAYER.match(name)
+    if not match or match.group(2) not in HF_LAYER_NAMES:
+        return None
+    layer, rest = match.group(1), HF_LAYER_NAMES[match.group(2)]
+    if heads := rotary_heads(rest, n_heads, n_kv_heads):
+        w = halves_to_pairs(w, heads)
+    return f"layers.{layer}.{rest}", w
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
@@ -107,12 +104,32 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     return config
 
 
-def save_hf(state: dict, args: ModelArgs, folder: Path, dtype: torch.dtype) -> None:
+def save_hf(read, sizes: dict[str, int], args: ModelArgs, folder: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write weights as Hugging Face safetensors + config.json: one model.safetensors, or shards of at
+    most `shard_bytes` with model.safetensors.index.json (as transformers writes them). `sizes` maps
+    each titanlite name to its element count; `read(names)` returns those tensors, so only one
+    shard's tensors are in memory at a time."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    hf = {k: v.to(dtype).contiguous() for k, v in to_hf(state, args.n_heads, args.n_kv_heads).items()}
-    save_file(hf, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    shards, size = [[]], 0
+    for name, numel in sizes.items():
+        nbytes = numel * dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = dict(to_hf_tensor(n, w, args.n_heads, args.n_kv_heads) for n, w in read(names).items())
+        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    if len(shards) > 1:
+        total = sum(sizes.values()) * dtype.itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (folder / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
 
 
@@ -133,13 +150,25 @@ def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
             )
 
 
-def load_hf(folder: Path) -> tuple[dict, dict]:
-    """(titanlite state dict, HF config) from a folder of *.safetensors + config.json."""
-    from safetensors.torch import load_file
-
+def read_hf_config(folder: Path) -> tuple[dict, int, int]:
+    """(config.json, attention heads, kv heads) of a Hugging Face model folder."""
     config = json.loads((folder / "config.json").read_text())
-    hf = {}
+    heads = config["num_attention_heads"]
+    return config, heads, config.get("num_key_value_heads", heads)
+
+
+def iter_hf(folder: Path):
+    """(titanlite name, tensor) of each weight in a Hugging Face folder, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    _, heads, kv_heads = read_hf_config(folder)
     for path in sorted(folder.glob("*.safetensors")):
-        hf.update(load_file(str(path)))
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    return from_hf(hf, heads, kv_heads), config
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if converted := from_hf_tensor(key, f.get_tensor(key), heads, kv_heads):
+                    yield converted
+
+
+def load_hf(folder: Path) -> dict:
+    """Every weight of a Hugging Face folder as a titanlite state dict (scripts/convert_hf.py from-hf)."""
+    return dict(iter_hf(folder))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -64,18 +65,37 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
 
 
-# ANSI colours of the console line's fields (a terminal only: see use_color).
+# ANSI colours of the console line's fields, on a terminal only (see use_color).
 COLORS = {"loss": "\033[36m", "grad_norm": "\033[33m", "tps": "\033[32m", "mfu": "\033[35m", "mem": "\033[34m"}
 RESET = "\033[0m"
+FIELDS = re.compile(r"\b(loss|grad_norm|tps|mfu|mem) +[-+0-9.,naif]+(?:%| GiB)?")
 
 
 def use_color(config, stream=sys.stdout) -> bool:
     """Colours on a terminal unless metrics.disable_color_printing (or NO_COLOR) says no; never into a
-    file or pipe. Under torchrun a rank's stdout is a pipe, so run_train.sh tells it (TITANLITE_COLOR)
-    whether the launching terminal is one."""
-    if config.metrics.disable_color_printing or os.environ.get("NO_COLOR"):
-        return False
-    return stream.isatty() or os.environ.get("TITANLITE_COLOR") == "1"
+    file or pipe. Under torchrun a rank's stdout is a pipe (into torchrun's log files), so ranks print
+    plain lines and titanlite.torchrun colours them on their way to its terminal."""
+    return not (config.metrics.disable_color_printing or os.environ.get("NO_COLOR")) and stream.isatty()
+
+
+def colorize(text: str) -> str:
+    """The step line's fields in colour (other text unchanged)."""
+    if "| loss" not in text:
+        return text
+    return FIELDS.sub(lambda m: f"{COLORS[m.group(1)]}{m.group(0)}{RESET}", text)
+
+
+class ColorizedStream:
+    """A text stream that colours step lines as they pass (the launcher's stdout on a terminal)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(colorize(text))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def open_wandb(config, folder: Path, rank: int, all_ranks: bool):
@@ -116,9 +136,8 @@ class MetricsLogger:
         self.folder = Path(config.job.dump_folder)
         self.rank, self.writes_files = rank, rank == 0
         self.writes_scalars = self.writes_files or m.save_for_all_ranks
-        self.tb_folder = self.folder / m.save_tb_folder / time.strftime("%Y%m%d-%H%M%S")
-        if m.save_for_all_ranks:
-            self.tb_folder = self.tb_folder / f"rank_{rank}"
+        ranks_folder = self.folder / m.save_tb_folder / (f"rank_{rank}" if m.save_for_all_ranks else "")
+        self.tb_folder = ranks_folder / time.strftime("%Y%m%d-%H%M%S")
         self.color = use_color(config)
         self.jsonl = self.tb = self.wandb = None
         self.start = time.perf_counter()
@@ -179,19 +198,12 @@ class MetricsLogger:
             watts = self.power[1]()
             row["power_w"], row["joules_per_token"] = watts, watts / tps
             costs += f" | {row['joules_per_token']:.3f} J/tok"
-        fields = {
-            "loss": f"loss {loss:8.4f}",
-            "grad_norm": f"grad_norm {grad_norm:7.3f}",
-            "tps": f"tps {tps:>9,.0f}",
-            "mfu": f"mfu {row['mfu']:5.2f}%",
-            "mem": f"mem {row['memory_gib']:6.2f} GiB",
-        }
-        loss_text, norm_text, tps_text, mfu_text, mem_text = (self.paint(k, v) for k, v in fields.items())
-        print(
-            f"step {step:>6} | {loss_text} | {norm_text} | lr {lr:.2e} | {tps_text} | tflops {tflops:7.2f} | "
-            f"{mfu_text} | {mem_text} | data {100 * row['data_share']:4.1f}%{costs} | {row['elapsed_s']:7.1f}s",
-            flush=True,
+        line = (
+            f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:7.3f} | lr {lr:.2e} | tps {tps:>9,.0f} | "
+            f"tflops {tflops:7.2f} | mfu {row['mfu']:5.2f}% | mem {row['memory_gib']:6.2f} GiB | "
+            f"data {100 * row['data_share']:4.1f}%{costs} | {row['elapsed_s']:7.1f}s"
         )
+        print(colorize(line) if self.color else line, flush=True)
         self._write(step, row)
         self.reset()
         return row
@@ -213,9 +225,6 @@ class MetricsLogger:
             self.tb.flush()
         if self.wandb:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
-
-    def paint(self, field: str, text: str) -> str:
-        return f"{COLORS[field]}{text}{RESET}" if self.color else text
 
     def close(self) -> None:
         for handle in (self.jsonl, self.tb):

@@ -82,11 +82,26 @@ def torch_log_handlers() -> list[logging.Handler]:
     return [handler for logger in loggers for handler in logger.handlers]
 
 
+def color_console(train_args: list[str]) -> None:
+    """Ranks print plain lines into torchrun's pipes and log files; on a terminal, colour them here,
+    as they reach it (metrics.disable_color_printing and NO_COLOR say no)."""
+    from titanlite.config import ConfigError, parse_args
+    from titanlite.metrics import ColorizedStream, use_color
+
+    try:
+        config = parse_args(train_args)
+    except (ConfigError, SystemExit):
+        return  # the rank reports a bad config itself
+    if use_color(config, sys.stdout):
+        sys.stdout = ColorizedStream(sys.stdout)
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    color_console(args.training_script_args)
     with tempfile.TemporaryDirectory(prefix="titanlite-errors-") as folder:
         os.environ[ERROR_DIR] = folder  # the workers inherit it
         quiet = _UnlessRankReported(folder)

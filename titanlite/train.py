@@ -85,6 +85,7 @@ def enable_flight_recorder(config: JobConfig) -> None:
     c = config.comm
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(c.trace_buf_size))
     if c.trace_buf_size > 0:
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         folder = os.path.join(config.job.dump_folder, c.save_traces_folder)
         os.makedirs(folder, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, c.save_traces_file_prefix))
@@ -361,7 +362,7 @@ class Trainer:
 
     def shorten_collective_timeout(self) -> None:
         """comm.train_timeout_seconds for training's groups; the async checkpoint keeps its own."""
-        keep = [self.checkpointer.async_group] if self.checkpointer.async_group else []
+        keep = [self.checkpointer.checkpoint_group] if self.checkpointer.checkpoint_group else []
         set_collective_timeout(self.config.comm.train_timeout_seconds, keep)
 
     def every_rank(self, condition: bool) -> bool:
@@ -373,7 +374,7 @@ class Trainer:
         t, m, v = self.config.training, self.config.metrics, self.config.validation
         tokens_per_step = self.accumulation_steps * t.local_batch_size * t.seq_len
         log_line(
-            f"model {self.config.model.name} {self.config.model.flavor}: {self.num_params:,} params, "
+            f"{self.config.job.description}: model {self.config.model.name} {self.config.model.flavor}: {self.num_params:,} params, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; layout {self.dims.describe()}; "
             f"{self.accumulation_steps} microbatch(es)/step; MFU peak {self.metrics.peak / 1e12:.2f} TFLOP/s "
             f"({self.metrics.peak_source}); device {self.device}"
@@ -398,7 +399,9 @@ class Trainer:
         first_step, first_tokens = self.step + 1, self.tokens_seen
         while self.step < t.steps:
             self.step += 1
-            if t.gc_debug or self.step % t.gc_freq == 0:
+            if t.gc_debug:
+                gc.collect()  # every step, every generation: memory held by reference cycles shows at once
+            elif self.step % t.gc_freq == 0:
                 gc.collect(1)
             data_start = time.perf_counter()
             microbatches = self.next_microbatches(data_iter)
@@ -479,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     start_attempt()
     try:
         config = parse_args(argv)
+        if config.dry_run and int(os.environ.get("RANK", "0")) > 0:
+            os._exit(0)  # a dry run is one process's work; torchrun (a TOML's comm.mode) started more
         device = init_distributed(config)
         trainer = Trainer(config, device)
         if dist.get_rank() == 0:

@@ -45,9 +45,9 @@ def file_builder(path: str) -> str | None:
     return BUILDERS.get(Path(path).suffix)
 
 
-def check_hub_reachable(name: str) -> None:
+def check_hub_reachable(name: str, section: str = "training") -> None:
     """Fail in seconds, not minutes, when the hub cannot be reached (datasets retries for ~6 minutes)."""
-    hint = f"training.dataset='{name}' is a Hugging Face hub dataset"
+    hint = f"{section}.dataset='{name}' is a Hugging Face hub dataset"
     fix = "use a local path (file, folder or glob of .jsonl/.jsonl.gz/.parquet/.txt) or the built-in 'shakespeare'"
     if any(os.environ.get(flag, "0") not in ("0", "") for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         raise ConfigError(f"{hint}, but HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set; {fix}")
@@ -58,18 +58,18 @@ def check_hub_reachable(name: str) -> None:
         raise ConfigError(f"{hint}, but {endpoint.hostname} is unreachable ({e}); {fix}")
 
 
-def resolve_source(name: str, path: str | None) -> Source:
-    """The source of dataset `name` (read from local `path` when given); ConfigError when a local
-    path matches nothing, mixes file types, or the hub is out of reach."""
+def resolve_source(name: str, path: str | None, section: str = "training") -> Source:
+    """The source of dataset `name` (read from local `path` when given); ConfigError (naming the keys of
+    `section`) when a local path matches nothing, mixes file types, or the hub is out of reach."""
     if name == "shakespeare" and not path:
         return Source("builtin", name)
     if name == "c4_test" and not path:
         raise ConfigError(
-            "training.dataset='c4_test' is a test file of TorchTitan's repository (tests/assets/c4_test); point "
-            "training.dataset_path at a copy of it, or use the built-in 'shakespeare'"
+            f"{section}.dataset='c4_test' is a test file of TorchTitan's repository (tests/assets/c4_test); point "
+            f"{section}.dataset_path at a copy of it, or use the built-in 'shakespeare'"
         )
     if name in TORCHTITAN_DATASETS and not path:
-        check_hub_reachable(name)
+        check_hub_reachable(name, section)
         return TORCHTITAN_DATASETS[name]
     location = os.path.expanduser(path or name)
     files = local_files(location)
@@ -77,14 +77,14 @@ def resolve_source(name: str, path: str | None) -> Source:
         builders = {file_builder(f) for f in files}
         if len(builders) != 1 or None in builders:
             raise ConfigError(
-                f"training.dataset_path='{location}' mixes or lacks supported file types {sorted(builders, key=str)}; "
+                f"{section}.dataset_path='{location}' mixes or lacks supported file types {sorted(builders, key=str)}; "
                 "use one of .jsonl, .jsonl.gz, .parquet, .txt"
             )
         return Source("files", location, tuple(files), builders.pop())
     looks_local = name.startswith(("/", ".", "~")) or any(c in name for c in "*?[") or file_builder(name)
     if path or looks_local:
-        raise ConfigError(f"training.dataset_path='{location}' matches no files; give an existing file, folder or glob")
-    check_hub_reachable(name)
+        raise ConfigError(f"{section}.dataset_path='{location}' matches no files; give an existing file, folder or glob")
+    check_hub_reachable(name, section)
     return Source("hub", name)
 
 
@@ -93,7 +93,7 @@ def split_source(config: JobConfig, split: str) -> Source:
     else the held-out part of the training dataset, which only the built-in corpus and the hub have."""
     t, v = config.training, config.validation
     if split == "validation" and (v.dataset or v.dataset_path):
-        return resolve_source(v.dataset or t.dataset, v.dataset_path)
+        return resolve_source(v.dataset or t.dataset, v.dataset_path, "validation")
     source = resolve_source(t.dataset, t.dataset_path)
     if split == "validation" and source.kind == "files":
         raise ConfigError(

@@ -19,7 +19,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.tensor import apply_tp
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def param_dtype(config: JobConfig, device_type: str) -> torch.dtype:
