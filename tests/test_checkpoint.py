@@ -243,6 +243,15 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
     for name, value in ours.state_dict().items():
         if name != "rope":
             assert torch.equal(back[name], value), name
+    # Large models go out in shards with an index, as transformers writes them.
+    from titanlite.checkpoint import write_hf
+
+    write_hf(step, tmp_path / "sharded", ours.args, torch.float32, shard_bytes=2**20)
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 3
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    sharded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "sharded"), torch_dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(tokens).logits, hf(tokens).logits, rtol=0, atol=0)
 
     # The same export from training itself (checkpoint.last_save_in_hf), here by 2 FSDP ranks.
     from safetensors.torch import load_file
@@ -259,7 +268,7 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
     # Training starts from HF weights (checkpoint.initial_load_in_hf) as from the same weights in DCP.
     first = ["--training.steps", "1", "--model.flavor", "debugmodel_gqa"]
     from_hf = torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
-                                    "--checkpoint.initial_load_path", str(tmp_path / "hf")))
+                                    "--checkpoint.initial_load_path", str(tmp_path / "sharded")))
     from_dcp = torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_dcp", *first, "--checkpoint.initial_load_path", str(step)))
     assert "loaded Hugging Face weights" in from_hf.stdout
     assert losses(tmp_path / "from_hf") == losses(tmp_path / "from_dcp")

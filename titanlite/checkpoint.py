@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import plain_tensor
-from titanlite.hf import check_hf_shapes, iter_hf, read_hf_config, save_hf
+from titanlite.hf import SHARD_BYTES, check_hf_shapes, iter_hf, read_hf_config, save_hf
 from titanlite.metrics import log_line
 from titanlite.models.llama import canonical_fqn
 from titanlite.parallel.parallelize import DTYPES, assign_full_value
@@ -161,11 +161,11 @@ def read_model_weights(checkpoint: Path, names=None, found=None) -> dict:
     return state
 
 
-def write_hf(checkpoint: Path, out: Path, args, dtype: torch.dtype) -> None:
+def write_hf(checkpoint: Path, out: Path, args, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
     """A DCP checkpoint's model as a Hugging Face folder, one safetensors shard in memory at a time."""
     found = read_tensor_metadata(checkpoint, {"model"})
     sizes = {k.removeprefix("model."): m.size.numel() for k, m in found[1].items() if k.startswith("model.")}
-    save_hf(lambda names: read_model_weights(checkpoint, set(names), found), sizes, args, out, dtype)
+    save_hf(lambda names: read_model_weights(checkpoint, set(names), found), sizes, args, out, dtype, shard_bytes)
 
 
 def discard(folder: Path) -> None:
