@@ -91,7 +91,7 @@ def test_which_linears_convert():
     from titanlite.models import build_model, model_args
 
     args = model_args("llama3", "debugmodel", vocab_size=2048, seq_len=64)
-    model = build_model(args)
+    model = build_model("llama3", args)
     converted = convert_to_float8(model, "tensorwise", ["output", "layers.1.feed_forward"], emulate=True)
     assert "output" not in converted and "layers.0.feed_forward.w1" in converted
     assert not any(name.startswith("layers.1.feed_forward") for name in converted)

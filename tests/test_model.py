@@ -22,7 +22,7 @@ def tiny(vocab=320, **overrides):
 )
 def test_presets_have_metas_sizes(flavor, billions):
     args = model_args("llama3", flavor, 0, 8192)
-    model = build_model(args)
+    model = build_model("llama3", args)
     assert model.num_params() / 1e9 == pytest.approx(billions, abs=0.01)
     assert args.num_params() == model.num_params()  # the planner counts from the shapes alone
     assert next(model.parameters()).device.type == "meta"
@@ -53,7 +53,7 @@ def test_forward_shape_and_initial_loss():
 
 def test_flops_per_token_formula():
     args = model_args("llama3", "8B", 0, 8192)
-    model = build_model(args)
+    model = build_model("llama3", args)
     non_embedding = model.num_params() - args.vocab_size * args.dim
     expected = 6 * non_embedding + 12 * 32 * 32 * 128 * 8192
     assert model.flops_per_token(8192) == expected

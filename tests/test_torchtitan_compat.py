@@ -144,10 +144,11 @@ def test_first_step_checkpoint_load_only_and_total_steps(corpus_jsonl, tmp_path)
 
 def test_pipeline_stage_split_counts_the_embedding_and_output_as_torchtitan_does():
     from titanlite.config import ConfigError, parse_args
+    from titanlite.models import FAMILIES
     from titanlite.parallel.pipeline import stage_module_names
 
     def split(n_layers, pp, multi, *extra):
-        return stage_module_names(parse_args(list(extra)), n_layers, pp, multi)
+        return stage_module_names(parse_args(list(extra)), FAMILIES["llama3"].plan, n_layers, pp, multi)
 
     layers = lambda *ids: [f"layers.{i}" for i in ids]
     assert split(6, 2, True) == [["tok_embeddings", *layers(0)], layers(1, 2), layers(3, 4), [*layers(5), "norm", "output"]]

@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import plain_tensor
-from titanlite.hf import SHARD_BYTES, check_hf_shapes, iter_hf, read_hf_config, save_hf
+from titanlite import hf as llama_hf
+from titanlite.hf import SHARD_BYTES
 from titanlite.metrics import log_line
 from titanlite.models.llama import canonical_fqn
 from titanlite.parallel.parallelize import DTYPES, assign_full_value
@@ -161,11 +162,12 @@ def read_model_weights(checkpoint: Path, names=None, found=None) -> dict:
     return state
 
 
-def write_hf(checkpoint: Path, out: Path, args, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
-    """A DCP checkpoint's model as a Hugging Face folder, one safetensors shard in memory at a time."""
+def write_hf(checkpoint: Path, out: Path, args, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES, adapter=llama_hf) -> None:
+    """A DCP checkpoint's model as a Hugging Face folder, one safetensors shard in memory at a time,
+    through the family's Hugging Face `adapter`."""
     found = read_tensor_metadata(checkpoint, {"model"})
     sizes = {k.removeprefix("model."): m.size.numel() for k, m in found[1].items() if k.startswith("model.")}
-    save_hf(lambda names: read_model_weights(checkpoint, set(names), found), sizes, args, out, dtype, shard_bytes)
+    adapter.save_hf(lambda names: read_model_weights(checkpoint, set(names), found), sizes, args, out, dtype, shard_bytes)
 
 
 def discard(folder: Path) -> None:
@@ -296,7 +298,8 @@ class Checkpointer:
         shard while the others wait on the checkpoint group (its timeout is long)."""
         if self.is_coordinator:
             dcp_files = list(folder.iterdir())
-            write_hf(folder, folder, self.trainer.model_parts[0].args, DTYPES[self.c.export_dtype])
+            t = self.trainer
+            write_hf(folder, folder, t.model_parts[0].args, DTYPES[self.c.export_dtype], adapter=t.plan.hf)
             for path in dcp_files:
                 path.unlink()
         dist.barrier(group=self.checkpoint_group)
@@ -395,10 +398,10 @@ class Checkpointer:
         """Model weights from Hugging Face safetensors: every rank reads them one tensor at a time and
         keeps its shard of the parameters it holds."""
         t = self.trainer
-        check_hf_shapes(read_hf_config(folder)[0], t.model_parts[0].args, folder)
+        t.plan.hf.check_hf_shapes(t.plan.hf.read_hf_config(folder)[0], t.model_parts[0].args, folder)
         params = {canonical_fqn(name): p for part in t.model_parts for name, p in part.named_parameters()}
         missing = set(params)
-        for name, tensor in iter_hf(folder):
+        for name, tensor in t.plan.hf.iter_hf(folder):
             if name in params:
                 assign_full_value(params[name], tensor.to(params[name].dtype))
                 missing.discard(name)

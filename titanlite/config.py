@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titanlite.models.args import LLAMA3_FLAVORS
+from titanlite.models import FAMILIES
 
 try:
     import tomllib
@@ -108,8 +108,10 @@ class Metrics:
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "model size preset", choices=tuple(LLAMA3_FLAVORS))
+    name: str = opt("llama3", "model family", choices=tuple(FAMILIES))
+    flavor: str = opt(
+        "debugmodel", "size preset of the family: " + "; ".join(f"{n}: {', '.join(f.flavors)}" for n, f in FAMILIES.items())
+    )
     hf_assets_path: str = opt(
         "shakespeare-bpe8k",
         "folder of Hugging Face assets: tokenizer.json (+ tokenizer_config.json) or tokenizer.model, and for "
@@ -749,6 +751,12 @@ def check_not_implemented(config: JobConfig) -> None:
 def validate(config: JobConfig) -> None:
     """Checks that need no torch and no world size; layout checks live in ParallelDims."""
     check_not_implemented(config)
+    flavors = FAMILIES[config.model.name].flavors
+    _require(
+        config.model.flavor in flavors,
+        f"model.flavor='{config.model.flavor}' is not a flavor of model.name='{config.model.name}'; choose one of: "
+        f"{', '.join(flavors)}",
+    )
     t, m, p, v, c = config.training, config.metrics, config.parallelism, config.validation, config.checkpoint
     for name, value in [
         ("training.local_batch_size", t.local_batch_size),

@@ -14,20 +14,21 @@ from titanlite.checkpoint_paths import checkpoint_to_load
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.data.sources import split_source
 from titanlite.data.tokenizer import tokenizer_file
-from titanlite.models import model_args
+from titanlite.models import FAMILIES, model_args
 from titanlite.parallel.dims import ParallelDims
 
 
 def check(config: JobConfig, world_size: int) -> None:
     t = config.training
     dims = ParallelDims.from_config(config, world_size)
+    family = FAMILIES[config.model.name]
     args = model_args(config.model.name, config.model.flavor, 0, t.seq_len, config.model.n_layers)
-    dims.check_model(args.n_heads, args.n_kv_heads)
+    family.check(args, dims.tp)
     dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
     if dims.pp_enabled:
         from titanlite.parallel.pipeline import plan_stages
 
-        plan_stages(config, args.n_layers, dims.pp, pp_rank=0)
+        plan_stages(config, family.plan, args.n_layers, dims.pp, pp_rank=0)
     tokenizer_file(*reversed(config.tokenizer))
     if config.metrics.enable_wandb:
         check_wandb_installed()

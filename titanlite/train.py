@@ -31,7 +31,7 @@ from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.metrics import MetricsLogger, log_line
-from titanlite.models import build_model, model_args
+from titanlite.models import FAMILIES, build_model, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
@@ -155,25 +155,27 @@ class Trainer:
         tokenizer_key, tokenizer_value = config.tokenizer
         self.tokenizer = build_tokenizer(tokenizer_value, tokenizer_key)
         args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers)
-        self.dims.check_model(args.n_heads, args.n_kv_heads)
+        family = FAMILIES[config.model.name]
+        family.check(args, self.dims.tp)
+        self.plan = family.plan
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ConfigError(
                 f"{tokenizer_key}='{tokenizer_value}' has {self.tokenizer.vocab_size} tokens, more "
                 f"than model.flavor='{config.model.flavor}' embeds ({args.vocab_size}); use a smaller tokenizer"
             )
-        whole = build_model(args)
+        whole = build_model(config.model.name, args)
         if t.dtype == "bfloat16":
             whole.to(torch.bfloat16)  # parameters, gradients and optimizer states; RoPE is rebuilt in fp32
         self.num_params = whole.num_params()
         self.flops_per_token = whole.flops_per_token(t.seq_len)
         if self.dims.pp_enabled:
-            self.stage_ids, n_stages, self.model_parts = pipeline_stages(whole, self.dims, config)
+            self.stage_ids, n_stages, self.model_parts = pipeline_stages(whole, self.plan, self.dims, config)
         else:
             self.stage_ids, n_stages, self.model_parts = [0], 1, [whole]
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.converters = build_converters(config)
         for part in self.model_parts:
-            parallelize(part, self.dims, config, device.type, self.converters)
+            parallelize(part, self.plan, self.dims, config, device.type, self.converters)
             if config.model.print_after_conversion and dist.get_rank() == 0:
                 print(part, flush=True)
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
@@ -234,7 +236,7 @@ class Trainer:
                     sequence_parallel_step(
                         self.dims.get_mesh("cp"),
                         [inputs, labels],
-                        self.model_parts,
+                        [buffer for part in self.model_parts for buffer in self.plan.cp_buffers(part)],
                         load_balance=p.context_parallel_load_balancer == "headtail",
                         rotate_method=p.context_parallel_rotate_method,
                     )

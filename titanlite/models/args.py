@@ -71,3 +71,15 @@ LLAMA3_FLAVORS = {
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.3),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.2),
 }
+
+
+def check_llama3(args: ModelArgs, tp: int) -> None:
+    """Tensor parallel splits attention by heads: both head counts must divide by tp."""
+    from titanlite.config import ConfigError
+
+    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+        if value % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree={tp} does not divide the model's {name}={value}; "
+                f"choose a divisor of {value}"
+            )

@@ -3,7 +3,8 @@ reused by all of them (compile time does not grow with depth), and FSDP's per-bl
 outside the graphs. Applied after activation checkpointing (the compiled graph includes the
 checkpoint and its recompute) and before FSDP.
 
-With tensor parallelism the unit is a block's `attention` and `feed_forward` instead: a whole
+With tensor parallelism the family's units are smaller (Llama: a block's `attention` and
+`feed_forward`), since a whole
 compiled TP block fails in backward in torch 2.13 (its compiled backward returns a plain tensor
 as the gradient of its DTensor input, and the eager redistribute in front of the block fails on
 it: "'Tensor' object has no attribute '_local_tensor'"), with or without sequence parallel,
@@ -21,15 +22,11 @@ import torch._functorch.config
 from torch import nn
 
 
-def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
-    inner = getattr(block, "_checkpoint_wrapped_module", block)
-    return [inner.attention, inner.feed_forward] if tp_enabled else [block]
-
-
-def apply_compile(model: nn.Module, tp_enabled: bool, collectives_in_graph: bool, backend: str = "inductor") -> None:
-    """Compile in place (`Module.compile`), so parameter names and checkpoints do not change."""
+def apply_compile(model: nn.Module, plan, tp_enabled: bool, collectives_in_graph: bool, backend: str = "inductor") -> None:
+    """Compile the family's units of each block in place (`Module.compile`), so parameter names and
+    checkpoints do not change."""
     if collectives_in_graph:
         torch._functorch.config.enable_autograd_cache = False
-    for block in model.layers.values():
-        for unit in compile_units(block, tp_enabled):
+    for block in getattr(model, plan.blocks).values():
+        for unit in plan.compile_units(block, tp_enabled):
             unit.compile(backend=backend, fullgraph=True)

@@ -92,18 +92,19 @@ def register_cpu_ring_attention() -> None:
 
 @contextmanager
 def sequence_parallel_step(
-    cp_mesh: DeviceMesh, tensors: list[torch.Tensor], model_parts: list[nn.Module], load_balance: bool, rotate_method: str
+    cp_mesh: DeviceMesh, tensors: list[torch.Tensor], buffers: list[tuple[torch.Tensor, int]], load_balance: bool,
+    rotate_method: str,
 ):
-    """Yields this rank's sequence shards of `tensors` (seq dim 1); inside, the models' RoPE tables
-    are sharded the same way and attention runs as a ring over `cp_mesh`."""
+    """Yields this rank's sequence shards of `tensors` (seq dim 1); inside, the models' `buffers`
+    (the family's, with their sequence dims: Llama's RoPE tables) are sharded the same way and
+    attention runs as a ring over `cp_mesh`."""
     shards = [t.clone() for t in tensors]  # context_parallel resizes its buffers in place
-    ropes = [part.rope for part in model_parts]
     _ring._cp_options.enable_load_balance = load_balance
     _ring.set_rotate_method(rotate_method)
     with context_parallel(
         cp_mesh,
-        buffers=shards + ropes,
-        buffer_seq_dims=[1] * len(shards) + [0] * len(ropes),
+        buffers=shards + [buffer for buffer, _ in buffers],
+        buffer_seq_dims=[1] * len(shards) + [dim for _, dim in buffers],
         no_restore_buffers=set(shards),
     ):
         yield shards

@@ -77,14 +77,6 @@ class ParallelDims:
                 f"use a multiple of {divisor}"
             )
 
-    def check_model(self, n_heads: int, n_kv_heads: int) -> None:
-        for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if value % self.tp:
-                raise ConfigError(
-                    f"parallelism.tensor_parallel_degree={self.tp} does not divide the model's {name}={value}; "
-                    f"choose a divisor of {value}"
-                )
-
     def accumulation_steps(self, local_batch_size: int, global_batch_size: int) -> int:
         """Microbatches per optimizer step: the global batch over (local batch x data-parallel ranks)."""
         per_step = local_batch_size * self.dp_degree

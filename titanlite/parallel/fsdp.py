@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`) per transformer block, the embedding, [final norm + output] and the root.
+"""FSDP2 (`fully_shard`) per block, per module of the family's head (Llama: the embedding), its tail
+as one unit (Llama: final norm + output) and the root.
 
 One mesh dim shards (FSDP), two dims replicate-and-shard (HSDP); a replicate dim with shard size 1
 is plain data parallel (DDP). The loss is divided by the global count of valid tokens, so FSDP's
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 def apply_fsdp(
     model: nn.Module,
+    plan,
     dp_mesh: DeviceMesh,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
@@ -27,12 +29,12 @@ def apply_fsdp(
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
-    if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **shard)
-    for block in model.layers.values():
+    for module in _present(model, plan.head):
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **shard)
+    for block in getattr(model, plan.blocks).values():
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
-    # The output is used again right at the start of backward: by default keep it gathered.
-    tail = [m for m in (model.norm, model.output) if m is not None]
+    # The tail (the output) is used again right at the start of backward: by default keep it gathered.
+    tail = _present(model, plan.tail)
     if tail:
         fully_shard(tail, reshard_after_forward=reshard_output_after_forward, **shard)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **shard)
@@ -41,3 +43,8 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             # A plain SUM (no pre-multiplied sum): same result, and gloo has no PREMUL_SUM.
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _present(model: nn.Module, names) -> list[nn.Module]:
+    """The named modules this model holds (a pipeline stage has only some of them)."""
+    return [m for m in (getattr(model, name) for name in names) if m is not None]

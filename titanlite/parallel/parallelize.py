@@ -43,14 +43,17 @@ def data_parallel_mesh(dims: ParallelDims):
     return dims.get_mesh("fsdp")
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str, converters=()) -> nn.Module:
+def parallelize(
+    model: nn.Module, plan, dims: ParallelDims, config: JobConfig, device_type: str, converters=()
+) -> nn.Module:
+    """`plan`: the model family's ParallelPlan (its TP plans and units); nothing here names a module."""
     p, f8 = config.parallelism, config.float8
     for converter in converters:
         converter.convert(model)
 
     if dims.tp_enabled:
         apply_tp(
-            model, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config),
+            model, plan, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config),
             float8_recipe=float8_recipe(f8) if f8 else None,
         )
         if p.enable_async_tensor_parallel and device_type != "meta":
@@ -58,10 +61,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
 
     ac = config.activation_checkpoint
     if ac.mode != "none":
-        apply_ac(model, ac)
+        apply_ac(getattr(model, plan.blocks), ac)
 
     if config.compile.enable and "model" in config.compile.components:
-        apply_compile(model, dims.tp_enabled, collectives_in_graph=dims.tp_enabled or dims.cp_enabled, backend=config.compile.backend)
+        apply_compile(model, plan, dims.tp_enabled, collectives_in_graph=dims.tp_enabled or dims.cp_enabled, backend=config.compile.backend)
 
     dtype = param_dtype(config, device_type)
     # FSDP also carries mixed precision and CPU offload, so a single device gets those too.
@@ -73,6 +76,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
             converter.before_fsdp(model)
         apply_fsdp(
             model,
+            plan,
             data_parallel_mesh(dims),
             param_dtype=dtype,
             reduce_dtype=DTYPES[t.mixed_precision_reduce],

@@ -1,9 +1,10 @@
 """Pipeline parallel: split the model into stages, place them on the pp ranks, build a torch schedule.
 
-A stage is the same Llama model with the modules it does not own removed (layers deleted from the
-ModuleDict, embedding / norm / output set to None), so parameter names stay those of the whole
-model and no pipeline code lives in the model. The embedding and [norm + output] count as extra
-layers when layers are spread over stages (parallelism.pipeline_parallel_first/last_stage_less_layers). Multi-stage schedules place stages in loop order
+A stage is the same model with the modules it does not own removed (blocks deleted from the
+family's ModuleDict, its head and tail modules set to None: Llama's embedding / norm / output), so
+parameter names stay those of the whole model and no pipeline code lives in the model. The head
+and the tail count as extra layers when blocks are spread over stages
+(parallelism.pipeline_parallel_first/last_stage_less_layers). Multi-stage schedules place stages in loop order
 (rank r holds r, r + pp, ...); V schedules (ZBVZeroBubble, DualPipeV) in V order (r and 2pp-1-r).
 """
 
@@ -50,12 +51,14 @@ def is_multi_stage(cls) -> bool:
     return issubclass(cls, PipelineScheduleMulti)
 
 
-def stage_module_names(config: JobConfig, n_layers: int, pp: int, multi_stage: bool) -> list[list[str]]:
+def stage_module_names(config: JobConfig, plan, n_layers: int, pp: int, multi_stage: bool) -> list[list[str]]:
     """Module names of each stage, in pipeline order. The embedding counts as
     `first_stage_less_layers` layers and norm + output as `last_stage_less_layers` (TorchTitan's
     weights), and the layers so counted are spread evenly, earlier stages taking the remainder."""
     p = config.parallelism
-    everything = ["tok_embeddings"] + [f"layers.{i}" for i in range(n_layers)] + ["norm", "output"]
+    head, tail = list(plan.head), list(plan.tail)
+    blocks = [f"{plan.blocks}.{i}" for i in range(n_layers)]
+    everything = head + blocks + tail
     if p.module_fqns_per_model_part:
         stages = [list(stage) for stage in p.module_fqns_per_model_part]
         if [name for stage in stages for name in stage] != everything:
@@ -71,7 +74,8 @@ def stage_module_names(config: JobConfig, n_layers: int, pp: int, multi_stage: b
     base, extra = divmod(counted, n_stages)
     if base < max(first, last, 1):
         raise ConfigError(
-            f"{n_stages} pipeline stages for {n_layers} layers (+{first} for the embedding, +{last} for the output) "
+            f"{n_stages} pipeline stages for {n_layers} layers (+{first} for {', '.join(head)}, +{last} for "
+            f"{', '.join(tail)}) "
             f"leave {base} per stage, fewer than the first/last stage give up; use fewer stages, a larger "
             "parallelism.pipeline_parallel_layers_per_stage, or smaller pipeline_parallel_first/last_stage_less_layers"
         )
@@ -79,9 +83,9 @@ def stage_module_names(config: JobConfig, n_layers: int, pp: int, multi_stage: b
     for s in range(n_stages):
         size = base + (1 if s < extra else 0)
         size -= (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
-        names = [f"layers.{i}" for i in range(layer, min(layer + size, n_layers))]
+        names = blocks[layer : layer + size]
         layer += len(names)
-        stages.append((["tok_embeddings"] if s == 0 else []) + names + (["norm", "output"] if s == n_stages - 1 else []))
+        stages.append((head if s == 0 else []) + names + (tail if s == n_stages - 1 else []))
     return stages
 
 
@@ -101,32 +105,34 @@ def stage_ids_of_rank(pp_rank: int, pp: int, n_stages: int, schedule_name: str, 
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
-def split_model(model: nn.Module, names: list[str]) -> nn.Module:
+def split_model(model: nn.Module, plan, names: list[str]) -> nn.Module:
     """A copy of the (meta-device) model holding only the named modules."""
     stage = copy.deepcopy(model)
     keep = set(names)
-    for key in list(stage.layers.keys()):
-        if f"layers.{key}" not in keep:
-            del stage.layers[key]
-    for name in ("tok_embeddings", "norm", "output"):
+    blocks = getattr(stage, plan.blocks)
+    for key in list(blocks.keys()):
+        if f"{plan.blocks}.{key}" not in keep:
+            del blocks[key]
+    for name in (*plan.head, *plan.tail):
         if name not in keep:
             setattr(stage, name, None)
     return stage
 
 
-def plan_stages(config: JobConfig, n_layers: int, pp: int, pp_rank: int) -> tuple[list[list[str]], list[int]]:
+def plan_stages(config: JobConfig, plan, n_layers: int, pp: int, pp_rank: int) -> tuple[list[list[str]], list[int]]:
     """(module names of every stage, the stage ids of pp rank `pp_rank`); raises ConfigError for a
     schedule or split that cannot work. Needs no process group: run_train.sh checks it up front."""
     name = config.parallelism.pipeline_parallel_schedule
     multi = is_multi_stage(schedule_class(name))
-    names = stage_module_names(config, n_layers, pp, multi)
+    names = stage_module_names(config, plan, n_layers, pp, multi)
     return names, stage_ids_of_rank(pp_rank, pp, len(names), name, multi)
 
 
-def pipeline_stages(model: nn.Module, dims, config: JobConfig) -> tuple[list[int], int, list[nn.Module]]:
+def pipeline_stages(model: nn.Module, plan, dims, config: JobConfig) -> tuple[list[int], int, list[nn.Module]]:
     """(stage ids of this rank, number of stages, their modules) for the whole meta-device model."""
-    names, ids = plan_stages(config, len(model.layers), dims.pp, dims.get_mesh("pp").get_local_rank())
-    return ids, len(names), [split_model(model, names[i]) for i in ids]
+    n_layers = len(getattr(model, plan.blocks))
+    names, ids = plan_stages(config, plan, n_layers, dims.pp, dims.get_mesh("pp").get_local_rank())
+    return ids, len(names), [split_model(model, plan, names[i]) for i in ids]
 
 
 def build_schedule(config: JobConfig, parts: list[nn.Module], stage_ids: list[int], n_stages: int, dims, device, loss_fn):

@@ -1,0 +1,45 @@
+"""A model family: what generic code takes from a model, so that titanlite/parallel/ names none of
+its modules (in the spirit of TorchTitan's TrainSpec, smaller).
+
+`ModelFamily` is torch-free (config.py and run_train.sh's checks read the flavors and the shape
+checks); its `plan` names the module whose `PLAN` (a `ParallelPlan`) holds the torch side.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+from titanlite.models.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    flavors: dict[str, ModelArgs]
+    check: Callable[[ModelArgs, int], None]  # the shapes against the tensor-parallel degree; ConfigError
+    plan_module: str  # where PLAN lives
+
+    @property
+    def plan(self) -> "ParallelPlan":
+        return importlib.import_module(self.plan_module).PLAN
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The torch side of a family. Modules by name: `head` (before the blocks: the first pipeline
+    stage holds them; one FSDP unit each), `blocks` (the ModuleDict of repeated blocks: one FSDP,
+    AC and compile unit each, spread over pipeline stages), `tail` (after them: the last stage; one
+    FSDP unit together). A stage is the whole model with the modules it does not hold removed."""
+
+    build: Callable  # ModelArgs -> nn.Module (called on the meta device)
+    head: tuple[str, ...]
+    blocks: str
+    tail: tuple[str, ...]
+    tp_plan: Callable  # (model, sequence_parallel, loss_parallel) -> {name: ParallelStyle} of head and tail
+    block_tp_plan: Callable  # (block, sequence_parallel, float8_recipe or None) -> {name: ParallelStyle}
+    compile_units: Callable  # (block, tp_enabled) -> the modules torch.compile wraps
+    cp_buffers: Callable  # model -> [(buffer, its sequence dim)] that context parallel shards with the inputs
+    hf: ModuleType  # Hugging Face adapter: to_hf_tensor, from_hf_tensor, hf_config, check_hf_shapes

@@ -1,0 +1,101 @@
+"""Llama 3's parallel plan (titanlite/models/family.py's ParallelPlan): the tensor-parallel plans as
+plain dicts of stock ParallelStyles, its FSDP / pipeline / AC / compile units, the buffer context
+parallel shards, and its Hugging Face adapter.
+
+TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise. With sequence parallel, activations between
+blocks are sharded along the sequence (Shard(1)): norms run on their shard, and each attention/FFN
+all-gathers its input and reduce-scatters its output. With loss parallel, the logits stay sharded
+over the vocabulary (Shard(-1)).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from titanlite import hf
+from titanlite.float8 import Float8Linear, Float8PrepareModuleInput
+from titanlite.models.family import ParallelPlan
+from titanlite.models.llama import Transformer
+
+# The projections that read each sub-module's gathered input.
+INPUT_PROJECTIONS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
+
+
+def block_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
+    """The TP plan of one TransformerBlock: q/k/v and w1/w3 column-wise, wo and w2 row-wise. Sequence
+    parallel's gathers before the sub-modules in `float8_inputs` move float8 bytes."""
+    between_blocks = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between_blocks),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between_blocks),
+    }
+    if sequence_parallel:
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # The sequence shard is gathered before the projections; the RoPE table passes untouched.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        }
+        plan |= {name: Float8PrepareModuleInput() for name in float8_inputs}
+    return plan
+
+
+def float8_gathered_inputs(block: nn.Module, float8_recipe: str | None) -> frozenset[str]:
+    """Sub-modules whose input can be gathered in float8: every projection reading it is a tensorwise
+    float8 linear (a filtered or ineligible one needs the high-precision input)."""
+    if float8_recipe != "tensorwise":
+        return frozenset()
+    return frozenset(
+        name for name, projections in INPUT_PROJECTIONS.items()
+        if all(isinstance(getattr(getattr(block, name), p), Float8Linear) for p in projections)
+    )
+
+
+def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """The plan of the embedding, final norm and output (those present: a pipeline stage may lack them)."""
+    between_blocks = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks),
+        "norm": SequenceParallel() if sequence_parallel else None,
+        "output": ColwiseParallel(
+            input_layouts=between_blocks,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,  # loss parallel needs the DTensor logits
+        ),
+    }
+    return {name: style for name, style in plan.items() if style is not None and getattr(model, name) is not None}
+
+
+
+def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
+    """A block; under TP its attention and feed_forward (parallel/compile.py says why)."""
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    return [inner.attention, inner.feed_forward] if tp_enabled else [block]
+
+
+def cp_buffers(model: nn.Module) -> list:
+    """The RoPE table is sharded along the sequence with the inputs."""
+    return [(model.rope, 0)]
+
+
+PLAN = ParallelPlan(
+    build=Transformer,
+    head=("tok_embeddings",),
+    blocks="layers",
+    tail=("norm", "output"),
+    tp_plan=model_plan,
+    block_tp_plan=lambda block, sequence_parallel, float8_recipe: block_plan(
+        sequence_parallel, float8_gathered_inputs(block, float8_recipe)
+    ),
+    compile_units=compile_units,
+    cp_buffers=cp_buffers,
+    hf=hf,
+)
