@@ -91,7 +91,7 @@ def bare_loop(args: list[str], steps: int, warmup: int) -> float:
 
     config = parse_args(args)
     t = config.training
-    tokenizer = build_tokenizer(*reversed(config.tokenizer))
+    tokenizer = build_tokenizer(*config.tokenizer)
     model = Transformer(model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, t.seq_len, config.model.n_layers))
     model.init_weights(config.debug.seed or 0)
     optimizer = build_optimizer(model.parameters(), config)

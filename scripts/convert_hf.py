@@ -23,14 +23,15 @@ from titanlite.models.args import LLAMA3_FLAVORS
 
 
 def to_hf(args) -> None:
-    _, metadata = read_tensor_metadata(args.checkpoint, {"model"})
+    found = read_tensor_metadata(args.checkpoint, {"model"})
+    metadata = found[1]
     shapes = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items() if k.startswith("model.")}
     vocab, dim = shapes["tok_embeddings.weight"]
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
     model_args = replace(LLAMA3_FLAVORS[args.flavor], vocab_size=vocab, max_seq_len=args.max_seq_len)
     if (model_args.dim, model_args.n_layers) != (dim, n_layers):
         raise SystemExit(f"--flavor {args.flavor} has dim {model_args.dim} x {model_args.n_layers} layers; the checkpoint has {dim} x {n_layers}")
-    write_hf(args.checkpoint, args.out, model_args, getattr(torch, args.dtype))
+    write_hf(args.checkpoint, args.out, model_args, getattr(torch, args.dtype), found=found)
     print(f"wrote {args.out} (safetensors and config.json)")
 
 

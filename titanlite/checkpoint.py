@@ -138,10 +138,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
-def read_tensor_metadata(path: Path, parts) -> tuple[SafeFileSystemReader, dict]:
+def read_tensor_metadata(path: Path, parts, reader: SafeFileSystemReader | None = None) -> tuple[SafeFileSystemReader, dict]:
     """(a safe reader of checkpoint `path`, its entries' metadata); ConfigError for an entry under
-    one of `parts` that is not a tensor, since DCP would unpickle it."""
-    reader = SafeFileSystemReader(str(path))
+    one of `parts` that is not a tensor, since DCP would unpickle it. Pass the reader of an earlier
+    call to read the metadata once."""
+    reader = reader or SafeFileSystemReader(str(path))
     metadata = reader.read_metadata().state_dict_metadata
     for key, m in metadata.items():
         if key.split(".", 1)[0] in parts and not isinstance(m, TensorStorageMetadata):
@@ -162,10 +163,12 @@ def read_model_weights(checkpoint: Path, names=None, found=None) -> dict:
     return state
 
 
-def write_hf(checkpoint: Path, out: Path, args, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES, adapter=llama_hf) -> None:
+def write_hf(
+    checkpoint: Path, out: Path, args, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES, adapter=llama_hf, found=None
+) -> None:
     """A DCP checkpoint's model as a Hugging Face folder, one safetensors shard in memory at a time,
-    through the family's Hugging Face `adapter`."""
-    found = read_tensor_metadata(checkpoint, {"model"})
+    through the family's Hugging Face `adapter`. `found`: its read_tensor_metadata, when read already."""
+    found = found or read_tensor_metadata(checkpoint, {"model"})
     sizes = {k.removeprefix("model."): m.size.numel() for k, m in found[1].items() if k.startswith("model.")}
     adapter.save_hf(lambda names: read_model_weights(checkpoint, set(names), found), sizes, args, out, dtype, shard_bytes)
 
@@ -217,6 +220,14 @@ class Checkpointer:
             )
         if self.c.enable and self.is_coordinator:
             self.remove_unfinished()
+        self.readers: dict[Path, SafeFileSystemReader] = {}
+
+    def reader(self, path: Path) -> SafeFileSystemReader:
+        """One reader per checkpoint folder: choosing where to resume and loading from it unpickle its
+        metadata (slowly, in pure Python) once."""
+        if path not in self.readers:
+            self.readers[path] = SafeFileSystemReader(str(path))
+        return self.readers[path]
 
     def remove_unfinished(self) -> None:
         """Clean up after a crash: saves and removals it cut short are never loaded, so they go; a
@@ -362,7 +373,7 @@ class Checkpointer:
         """The run's own checkpoint to resume: `chosen` if it holds the training state (or is the
         step-0 seed), else the newest one that does. A model-only final save (last_save_model_only,
         last_save_in_hf) cannot continue training, so resuming past it would restart at step 0."""
-        if self.resumable(chosen):
+        if self.resumable(chosen, self.reader(chosen)):
             return chosen
         if self.c.load_step >= 0:
             raise ConfigError(
@@ -372,7 +383,7 @@ class Checkpointer:
             )
         for step in reversed(complete_steps(self.folder)):
             candidate = self.folder / f"step-{step}"
-            if self.resumable(candidate):
+            if self.resumable(candidate, self.reader(candidate)):
                 log_line(f"{chosen.name} holds the model only (last_save_model_only); resuming from {candidate.name}")
                 return candidate
         raise ConfigError(
@@ -382,10 +393,10 @@ class Checkpointer:
         )
 
     @staticmethod
-    def resumable(path: Path) -> bool:
+    def resumable(path: Path, reader: SafeFileSystemReader | None = None) -> bool:
         if is_hf_checkpoint(path):
             return False
-        keys = {key.split(".", 1)[0] for key in read_tensor_metadata(path, ())[1]}
+        keys = {key.split(".", 1)[0] for key in read_tensor_metadata(path, (), reader)[1]}
         if "train" in keys:
             raise ConfigError(
                 f"checkpoint '{path}' was written by a titanlite older than its TorchTitan v0.2.2 schema (a 'train' "
@@ -414,7 +425,7 @@ class Checkpointer:
 
     def load_from(self, path: Path, parts: set[str]) -> None:
         t = self.trainer
-        reader, metadata = read_tensor_metadata(path, parts)
+        reader, metadata = read_tensor_metadata(path, parts, self.reader(path))
         parts &= {key.split(".", 1)[0] for key in metadata}  # a model-only checkpoint resumes the weights only
         state = {}
         if "model" in parts:

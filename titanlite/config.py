@@ -484,10 +484,11 @@ class JobConfig:
 
     @property
     def tokenizer(self) -> tuple[str, str]:
-        """(key, value) naming the tokenizer: the deprecated model.tokenizer_path wins over hf_assets_path."""
+        """(location, the key that set it) of the tokenizer: the deprecated model.tokenizer_path wins
+        over hf_assets_path."""
         if self.model.tokenizer_path:
-            return "model.tokenizer_path", self.model.tokenizer_path
-        return "model.hf_assets_path", self.model.hf_assets_path
+            return self.model.tokenizer_path, "model.tokenizer_path"
+        return self.model.hf_assets_path, "model.hf_assets_path"
 
     @property
     def dry_run(self) -> bool:
@@ -638,15 +639,19 @@ def _check_choices(key: str, value) -> None:
             raise ConfigError(f"{key}={value!r}: {shown} is not implemented in titanlite; {unsupported[item]}")
 
 
+def get(config: JobConfig, key: str):
+    owner = config
+    for part in key.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
 def _assign(config: JobConfig, key: str, raw) -> None:
     key = _check_key(key)
     value = _convert(key, raw)
     _check_choices(key, value)
-    *path, name = key.split(".")
-    owner = config
-    for part in path:
-        owner = getattr(owner, part)
-    setattr(owner, name, value)
+    section, name = key.rsplit(".", 1)
+    setattr(get(config, section), name, value)
 
 
 def load_toml(path: str) -> dict:
@@ -727,13 +732,6 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def get(config: JobConfig, key: str):
-    owner = config
-    for part in key.split("."):
-        owner = getattr(owner, part)
-    return owner
 
 
 def check_not_implemented(config: JobConfig) -> None:

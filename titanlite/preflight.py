@@ -29,7 +29,7 @@ def check(config: JobConfig, world_size: int) -> None:
         from titanlite.parallel.pipeline import plan_stages
 
         plan_stages(config, family.plan, args.n_layers, dims.pp, pp_rank=0)
-    tokenizer_file(*reversed(config.tokenizer))
+    tokenizer_file(*config.tokenizer)
     if config.metrics.enable_wandb:
         check_wandb_installed()
     if config.dry_run or config.checkpoint.create_seed_checkpoint:

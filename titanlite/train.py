@@ -152,7 +152,7 @@ class Trainer:
         # The seed used goes into the saved config, so the config reproduces the run.
         self.seed = config.debug.seed = set_determinism(config, device)
 
-        tokenizer_key, tokenizer_value = config.tokenizer
+        tokenizer_value, tokenizer_key = config.tokenizer
         self.tokenizer = build_tokenizer(tokenizer_value, tokenizer_key)
         args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers)
         family = FAMILIES[config.model.name]
