@@ -30,7 +30,7 @@ from helpers import tiny_args
 
 STEPS = 4
 VALIDATION_STEPS = 2
-KEYS = ("init", "loss", "grad", "grad_l2", "grad_norm", "param", "validation")
+KEYS = ("init", "loss", "grad", "grad_l2", "grad_norm", "param", "expert_bias", "validation")
 # Free-running bounds (over 4 steps, lr 8e-4). Two 1-process runs that differ only in the order of
 # summation (the batch as one or as two accumulated microbatches) drift by 1e-6 in loss, 8e-7 in a
 # gradient (relative L2), 8e-8 in the grad norm (relative) and 2e-6 in a weight; the free-running
@@ -65,7 +65,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.config import float8_recipe, parse_args
     from titanlite.data.dataset import build_dataloader
     from titanlite.float8 import convert_to_float8
-    from titanlite.models.llama import Transformer, canonical_fqn
+    from titanlite.models.llama import canonical_fqn
+    from titanlite.models.moe import global_balance, set_step, update_expert_bias
     from titanlite.optim import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
     from titanlite.train import Trainer
@@ -76,8 +77,9 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     trainer = Trainer(config, torch.device("cpu"))
     t, o, s = config.training, config.optimizer, config.lr_scheduler
 
-    reference = Transformer(trainer.model_parts[0].args)
+    reference = trainer.plan.build(trainer.model_parts[0].args)
     reference.init_weights(trainer.seed)
+    ref_moe = trainer.plan.moe_layers(reference)
     if config.float8:
         convert_to_float8(reference, float8_recipe(config.float8), config.float8.filter_fqns, config.float8.emulate)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
@@ -106,6 +108,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             0, trainer.tokenizer.vocab_size, (trainer.accumulation_steps * rows_per_microbatch, t.seq_len + 1), generator=gen
         )
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        set_step(ref_moe, torch.tensor(labels.numel()), t.seq_len)
         # Microbatch i of data-parallel rank r takes rows [(i * dp + r) * B, ...): any split works,
         # the reference sees the whole global batch.
         microbatches = []
@@ -139,6 +142,12 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         ref_opt.step()
         ref_sched.step()
         ref_opt.zero_grad()
+        update_expert_bias(ref_moe, global_balance(ref_moe, None)[0])  # MoE: the reference's balancing step
+        ref_buffers = dict(reference.named_buffers())
+        for part in trainer.model_parts:
+            for name, buffer in part.named_buffers():
+                if name.endswith("expert_bias"):
+                    record("expert_bias", (buffer - ref_buffers[canonical_fqn(name)]).abs().max().item(), f"{name} step {step}")
         for name, p, ref in pairs:
             record("param", (local(p.detach()) - local_slice(ref.detach(), p)).abs().max().item(), f"{name} after step {step}")
             if not free_running:
@@ -207,6 +216,7 @@ def check(results: list[dict]) -> None:
                 assert worst["grad"] < 1e-5, f"{where}: gradient differs (relative): {worst}"
             assert worst["grad_norm"] < 1e-5, f"{where}: grad norm differs (relative): {worst}"
             assert worst["param"] < 1e-6, f"{where}: weights differ after a step: {worst}"
+            assert worst["expert_bias"] == 0.0, f"{where}: MoE expert bias differs after a step: {worst}"
 
 
 TP = "--parallelism.tensor_parallel_degree"
@@ -297,6 +307,29 @@ CASES_4 = {
 CASES_8 = {
     "pp2_fsdp2_tp2_1f1b": PP + [TP, "2", "--model.flavor", "debugmodel_gqa"],
     "pp2_cp2_tp2_ac_op": PP + [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa", "--activation_checkpoint.mode", "selective"],
+}
+
+MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
+MOE_SIGMOID_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe_sigmoid", "--model.moe_aux_loss_coeff", "0.01"]
+EP = "--parallelism.expert_parallel_degree"
+# Mixture of experts (with a shared expert; or sigmoid routing without one, plus the aux loss): the
+# experts split over ranks borrowed from dp_shard and cp, composed with FSDP, HSDP, CP, PP and AC.
+CASES_MOE_2 = {
+    "moe_fsdp2": MOE,
+    "moe_ep2": MOE + [EP, "2"],
+    "moe_ep2_loop": MOE + [EP, "2", "--model.moe_grouped_mm", "false"],
+    "moe_ep2_sigmoid_aux": MOE_SIGMOID_AUX + [EP, "2"],
+    "moe_ep2_ac_full": MOE_SIGMOID_AUX + [EP, "2", "--activation_checkpoint.mode", "full"],
+    "moe_cp2_ep2": MOE + [CP, "2", EP, "2"],
+    "moe_pp2_aux": MOE_SIGMOID_AUX + PP + schedule("1F1B"),
+    "free_moe_ep2": MOE + [EP, "2"],
+}
+CASES_MOE_4 = {
+    "moe_ep2_fsdp2": MOE + [EP, "2"],
+    "moe_ep4_aux": MOE_SIGMOID_AUX + [EP, "4"],
+    "moe_hsdp2x2_ep2": MOE + ["--parallelism.data_parallel_replicate_degree", "2", EP, "2"],
+    "moe_pp2_ep2_aux": MOE_SIGMOID_AUX + PP + [EP, "2"],
+    "moe_cp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", EP, "4"],
 }
 
 

@@ -59,7 +59,7 @@ def section(cls):
     return field(default_factory=cls)
 
 
-NO_MOE = "titanlite has no mixture-of-experts model yet"
+NO_MOE = "titanlite's MoE family does not have it yet (its routed experts run in high precision, without DualPipeV overlap)"
 NO_TORCHFT = "titanlite has no TorchFT integration; restarts resume from checkpoints (MAX_RESTARTS)"
 NO_MX = "MX formats are not implemented; use model.converters = [\"float8\"]"
 FLOAT8_CONVERTERS = ("quantize.linear.float8", "float8")
@@ -129,6 +129,15 @@ class Model:
     print_after_conversion: bool = opt(False, "print the model after the converters")
     n_layers: int = opt(
         0, "transformer blocks; 0 = the flavor's (fewer: a big model's shape on fewer GPUs)", extension=True
+    )
+    moe_grouped_mm: bool = opt(
+        True, "MoE experts through torch._grouped_mm; false: an exact loop over experts (same results)", extension=True
+    )
+    moe_load_balance_coeff: float | None = opt(
+        None, "MoE expert-bias update per step (auxiliary-loss-free balancing); 0 = off; none = the flavor's", extension=True
+    )
+    moe_aux_loss_coeff: float | None = opt(
+        None, "MoE sequence-wise balance loss coefficient; 0 = off; none = the flavor's", extension=True
     )
 
 
@@ -260,9 +269,16 @@ class Parallelism:
     context_parallel_rotate_method: str = opt(
         "allgather", "how KV shards move around the cp ring", choices=("allgather", "alltoall")
     )
-    expert_parallel_degree: int = opt(1, "expert-parallel ranks", not_implemented=NO_MOE)
-    expert_tensor_parallel_degree: int = opt(1, "tensor parallel inside experts", not_implemented=NO_MOE)
-    expert_parallel_comm_backend: str = opt("standard", "EP all-to-all backend", not_implemented=NO_MOE)
+    expert_parallel_degree: int = opt(
+        1, "expert-parallel ranks (MoE models): the routed experts split over ranks borrowed from dp_shard x cp"
+    )
+    expert_tensor_parallel_degree: int = opt(
+        1, "tensor parallel inside the routed experts", not_implemented="titanlite's MoE models do not run under tensor parallel yet"
+    )
+    expert_parallel_comm_backend: str = opt(
+        "standard", "EP all-to-all backend: standard (torch.distributed all-to-all)", choices=("standard", "deepep"),
+        unsupported={"deepep": "DeepEP kernels are not part of titanlite; use 'standard'"},
+    )
     enable_sequence_parallel: bool = opt(True, "shard norms and activations along the sequence under TP", extension=True)
 
 

@@ -168,8 +168,10 @@ class MetricsLogger:
         self.steps += 1
 
     def log(
-        self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int, skipped_steps: int | None = None
+        self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int, skipped_steps: int | None = None,
+        extras: dict[str, float] | None = None,
     ) -> dict:
+        """`extras`: more scalars of the step (a MoE's load balance), on the line and in every sink."""
         seconds = time.perf_counter() - self.window_start
         tps = self.tokens / seconds / self.tokens_divisor
         tflops = self.flops_per_token * tps / 1e12
@@ -198,6 +200,9 @@ class MetricsLogger:
             watts = self.power[1]()
             row["power_w"], row["joules_per_token"] = watts, watts / tps
             costs += f" | {row['joules_per_token']:.3f} J/tok"
+        for key, value in (extras or {}).items():
+            row[key] = value
+            costs += f" | {key} {value:.4g}"
         line = (
             f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:7.3f} | lr {lr:.2e} | tps {tps:>9,.0f} | "
             f"tflops {tflops:7.2f} | mfu {row['mfu']:5.2f}% | mem {row['memory_gib']:6.2f} GiB | "

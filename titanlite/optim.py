@@ -80,24 +80,23 @@ def reduce_partial_grads(params) -> None:
 def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """Total L2 norm of all gradients, correct whatever the layout, then clip to max_norm (if > 0).
 
-    DTensor gradients (FSDP/TP shards) give partial norms that `full_tensor()` reduces over their
+    DTensor gradients (FSDP/TP/EP shards) give partial norms that `full_tensor()` reduces over their
     mesh; plain-tensor gradients are whole on every rank and count once. Under pipeline parallel
     each stage holds different parameters, so squared norms are summed over the pp group too.
     """
     params = [p for p in params if p.grad is not None]
-    distributed = [p for p in params if isinstance(p.grad, DTensor)]
-    local = [p for p in params if not isinstance(p.grad, DTensor)]
+    # One group per mesh (expert-parallel experts live on another mesh than the rest); plain tensors apart.
+    groups = defaultdict(list)
+    for p in params:
+        groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
     total_sq = torch.zeros((), device=params[0].grad.device if params else "cpu")
-    if distributed:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in distributed], foreach=True)
-        total_sq += norm.full_tensor().float() ** 2
-    if local:
-        total_sq += torch.nn.utils.get_total_norm([p.grad for p in local], foreach=True).float() ** 2
+    for mesh, group in groups.items():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        total_sq += (norm.full_tensor() if mesh is not None else norm).float() ** 2
     if pp_group is not None:
         torch.distributed.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     if max_norm > 0:
-        for group in (distributed, local):  # foreach kernels take DTensors and plain tensors apart
-            if group:
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        for group in groups.values():  # foreach kernels take each mesh's DTensors (and plain tensors) apart
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

@@ -22,8 +22,8 @@ def check(config: JobConfig, world_size: int) -> None:
     t = config.training
     dims = ParallelDims.from_config(config, world_size)
     family = FAMILIES[config.model.name]
-    args = model_args(config.model.name, config.model.flavor, 0, t.seq_len, config.model.n_layers)
-    family.check(args, dims.tp)
+    args = model_args(config.model.name, config.model.flavor, 0, t.seq_len, config.model.n_layers, config.model)
+    family.check(args, dims)
     dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
     if dims.pp_enabled:
         from titanlite.parallel.pipeline import plan_stages

@@ -31,7 +31,8 @@ from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.metrics import MetricsLogger, log_line
-from titanlite.models import FAMILIES, build_model, model_args
+from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
+from titanlite.models.moe import global_balance, set_step, update_expert_bias
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
@@ -154,9 +155,11 @@ class Trainer:
 
         tokenizer_value, tokenizer_key = config.tokenizer
         self.tokenizer = build_tokenizer(tokenizer_value, tokenizer_key)
-        args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers)
+        args = model_args(
+            config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
+        )
         family = FAMILIES[config.model.name]
-        family.check(args, self.dims.tp)
+        family.check(args, self.dims)
         self.plan = family.plan
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ConfigError(
@@ -166,7 +169,7 @@ class Trainer:
         whole = build_model(config.model.name, args)
         if t.dtype == "bfloat16":
             whole.to(torch.bfloat16)  # parameters, gradients and optimizer states; RoPE is rebuilt in fp32
-        self.num_params = whole.num_params()
+        self.num_params, self.active_params = whole.num_params(), args.num_params(active=True)
         self.flops_per_token = whole.flops_per_token(t.seq_len)
         if self.dims.pp_enabled:
             self.stage_ids, n_stages, self.model_parts = pipeline_stages(whole, self.plan, self.dims, config)
@@ -178,6 +181,9 @@ class Trainer:
             parallelize(part, self.plan, self.dims, config, device.type, self.converters)
             if config.model.print_after_conversion and dist.get_rank() == 0:
                 print(part, flush=True)
+        self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
+        self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
+        self.balance: dict[str, float] = {}  # the last step's MoE load balance, for the log
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
         compile_loss = config.compile.enable and "loss" in config.compile.components
         self.cross_entropy = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
@@ -283,6 +289,7 @@ class Trainer:
         global_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         dist.all_reduce(global_tokens, group=self.batch_group)
         self.loss_scale = global_tokens
+        set_step(self.moe_layers, global_tokens, self.config.training.seq_len)
         self.before_step()
         loss = sum(self.forward(x, y, backward=True) for x, y in microbatches)
         return self.reduce_loss(loss).item()
@@ -310,9 +317,22 @@ class Trainer:
                 opt.step()
                 scheduler.step()
             opt.zero_grad(set_to_none=True)
+        if self.is_moe:
+            self.balance_experts(update_bias=finite)
         if not finite:
             self.skip_step(grad_norm)
         return grad_norm
+
+    def balance_experts(self, update_bias: bool) -> None:
+        """MoE: the step's tokens per expert and aux loss, summed over the data ranks (one all-reduce);
+        the expert bias moves towards balance (not after a skipped step). Keeps, for the log, the
+        busiest expert's load over the mean (worst layer of this stage) and the aux loss."""
+        counts, aux = global_balance(self.moe_layers, self.loss_group)
+        if not update_bias:
+            counts.zero_()  # leaves the bias where it is
+        update_expert_bias(self.moe_layers, counts)
+        if update_bias and counts.numel():
+            self.balance = {"moe_max_load": (counts.max(dim=1).values / counts.mean(dim=1)).max().item(), "moe_aux_loss": aux.item()}
 
     def skip_step(self, grad_norm: float) -> None:
         """A step whose gradients are not finite: the optimizer and lr schedule did not move."""
@@ -362,6 +382,19 @@ class Trainer:
             raise ConfigError("validation data yielded no full sequence; use a larger validation set or shorter seq_len")
         return (loss_sum / tokens).item()
 
+    def stage_balance(self) -> dict[str, float] | None:
+        """A MoE's balance over all pipeline stages (each holds its own layers, maybe none): the worst
+        load and the summed aux loss (when on). Collective over pp: every rank calls it at log steps."""
+        if not self.is_moe:
+            return None
+        load = torch.tensor(self.balance.get("moe_max_load", 0.0), device=self.device)
+        aux = torch.tensor(self.balance.get("moe_aux_loss", 0.0), device=self.device)
+        if self.pp_group is not None:
+            dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.pp_group)
+            dist.all_reduce(aux, group=self.pp_group)
+        balance = {"moe_max_load": load.item()}
+        return balance | ({"moe_aux_loss": aux.item()} if self.aux_loss_on else {})
+
     def shorten_collective_timeout(self) -> None:
         """comm.train_timeout_seconds for training's groups; the async checkpoint keeps its own."""
         keep = [self.checkpointer.checkpoint_group] if self.checkpointer.checkpoint_group else []
@@ -381,6 +414,8 @@ class Trainer:
             f"{self.accumulation_steps} microbatch(es)/step; MFU peak {self.metrics.peak / 1e12:.2f} TFLOP/s "
             f"({self.metrics.peak_source}); device {self.device}"
             + (f"; J/token from power by {self.metrics.power[0]}" if self.metrics.power else "")
+            + (f"; MoE: FLOPs, TFLOPS and MFU count the {self.active_params:,} parameters a token uses (its "
+               "experts), not all" if self.is_moe else "")
         )
         for converter in self.converters:
             log_line(converter.describe(self.model_parts, self.device))
@@ -414,7 +449,7 @@ class Trainer:
             if self.step == 1 or self.step % m.log_freq == 0 or self.step == t.steps:
                 lr = self.lr_schedulers[0].get_last_lr()[0]
                 skipped = self.skipped_steps if t.skip_nonfinite_steps else None
-                self.metrics.log(self.step, loss, grad_norm, lr, self.tokens_seen, skipped)
+                self.metrics.log(self.step, loss, grad_norm, lr, self.tokens_seen, skipped, self.stage_balance())
             if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
                 self.metrics.log_validation(self.step, self.validate())
                 self.metrics.reset()  # keep evaluation time out of the next throughput window

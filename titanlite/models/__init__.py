@@ -7,19 +7,30 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from titanlite.models.args import LLAMA3_FLAVORS, ModelArgs, check_llama3
+from titanlite.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs, MoEArgs, check_llama3, check_moe
 from titanlite.models.family import ModelFamily
 
 FAMILIES = {
     "llama3": ModelFamily("llama3", LLAMA3_FLAVORS, check_llama3, "titanlite.models.llama_parallel"),
+    "moe": ModelFamily("moe", MOE_FLAVORS, check_moe, "titanlite.models.moe_parallel"),
 }
 
 
-def model_args(name: str, flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) -> ModelArgs:
+def model_args(name: str, flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0, model_config=None) -> ModelArgs:
     """The flavor's shapes, with the tokenizer's vocab where the flavor leaves it open, a RoPE table
-    as long as the training sequence, and `n_layers` blocks when > 0."""
+    as long as the training sequence, `n_layers` blocks when > 0, and the [model] section's MoE
+    settings where set."""
     args = FAMILIES[name].flavors[flavor].with_vocab(vocab_size)
-    return replace(args, max_seq_len=seq_len, n_layers=n_layers or args.n_layers)
+    args = replace(args, max_seq_len=seq_len, n_layers=n_layers or args.n_layers)
+    if isinstance(args, MoEArgs) and model_config is not None:
+        m = model_config
+        args = replace(
+            args,
+            use_grouped_mm=m.moe_grouped_mm,
+            load_balance_coeff=args.load_balance_coeff if m.moe_load_balance_coeff is None else m.moe_load_balance_coeff,
+            aux_loss_coeff=args.aux_loss_coeff if m.moe_aux_loss_coeff is None else m.moe_aux_loss_coeff,
+        )
+    return args
 
 
 def build_model(name: str, args: ModelArgs):

@@ -1,4 +1,5 @@
-"""Llama 3 shapes (no torch import: run_train.sh checks layouts against them before launching)."""
+"""Model shapes: Llama 3 and the mixture-of-experts family (no torch import: run_train.sh checks
+layouts against them before launching)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ class ModelArgs:
     rope_scaling: bool = True  # Llama 3.1 long-context frequency scaling
     max_seq_len: int = 131072
     depth_init: bool = True  # scale output projections' init std by depth
+    head_dim_override: int = 0  # 0: dim / n_heads (Qwen3's heads are wider than that)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -36,21 +39,35 @@ class ModelArgs:
         return self.n_kv_heads * self.head_dim
 
     @property
-    def block_params(self) -> int:
-        """wq, wk, wv, wo, w1, w2, w3 and the two norms of one TransformerBlock."""
-        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn_hidden_dim + 2 * self.dim
+    def attention_params(self) -> int:
+        """wq, wk, wv, wo, the attention norm (and the q/k head norms)."""
+        q_dim = self.n_heads * self.head_dim
+        return 2 * self.dim * q_dim + 2 * self.dim * self.kv_dim + self.dim + (2 * self.head_dim if self.qk_norm else 0)
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
+    def feed_forward_params(self, layer: int, active: bool = False) -> int:
+        """The FFN norm and SwiGLU (w1, w2, w3) of one block."""
+        return self.dim + 3 * self.dim * self.ffn_hidden_dim
+
+    @property
+    def block_params(self) -> int:
+        """One TransformerBlock (the dense one, where blocks differ)."""
+        return self.attention_params + self.feed_forward_params(self.n_layers - 1)
+
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """All weights, or with `active` those one token uses (the routed experts it visits)."""
         embedding = 0 if exclude_embedding else self.vocab_size * self.dim
-        return embedding + self.n_layers * self.block_params + self.dim + self.dim * self.vocab_size  # + norm, output
+        blocks = sum(self.attention_params + self.feed_forward_params(i, active) for i in range(self.n_layers))
+        return embedding + blocks + self.dim + self.dim * self.vocab_size  # + norm, output
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 per non-embedding weight, plus attention scores and values.
+        """Training FLOPs per token: 6 per non-embedding weight it uses (a MoE token: its experts'
+        only), plus attention scores and values.
 
         12 * layers * heads * head_dim * seq_len counts QK^T and AV (2 matmuls x 2 FLOPs x 3 for
         forward + backward) without halving for the causal mask, as PaLM, nanoGPT and TorchTitan do.
         """
-        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        weights = self.num_params(exclude_embedding=True, active=True)
+        return 6 * weights + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def with_vocab(self, tokenizer_vocab: int) -> "ModelArgs":
         """Flavors with vocab_size 0 take the tokenizer's, padded to a multiple of 64 so the embedding
@@ -73,13 +90,106 @@ LLAMA3_FLAVORS = {
 }
 
 
-def check_llama3(args: ModelArgs, tp: int) -> None:
-    """Tensor parallel splits attention by heads: both head counts must divide by tp."""
+def check_llama3(args: ModelArgs, dims) -> None:
+    """Tensor parallel splits attention by heads: both head counts must divide by tp. `dims`: the
+    layout (titanlite.parallel.dims.ParallelDims)."""
     from titanlite.config import ConfigError
 
+    tp = dims.tp
     for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
         if value % tp:
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree={tp} does not divide the model's {name}={value}; "
                 f"choose a divisor of {value}"
             )
+
+
+@dataclass(frozen=True)
+class MoEArgs(ModelArgs):
+    """A mixture-of-experts transformer: blocks from `n_dense_layers` on replace the dense SwiGLU by
+    `num_experts` routed SwiGLU experts (hidden `moe_hidden_dim`; each token visits `top_k`) plus
+    `num_shared_experts` that every token visits. Names follow TorchTitan's MoEArgs where it has one."""
+
+    num_experts: int = 8
+    num_shared_experts: int = 0
+    top_k: int = 2
+    moe_hidden_dim: int = 512
+    n_dense_layers: int = 0  # the first blocks keep a dense FFN of ffn_hidden_dim (DeepSeek's first_k_dense)
+    dense_hidden_dim: int = 0  # that FFN's hidden size; 0: from dim, multiple_of, ffn_dim_multiplier
+    score_func: str = "softmax"  # router scores: softmax or sigmoid
+    route_norm: bool = False  # renormalize the top-k scores to sum to 1
+    route_scale: float = 1.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step the expert bias (added to
+    # the scores for choosing, never for weighting) moves by this much towards balance. 0: off.
+    load_balance_coeff: float = 1e-3
+    aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss; 0: off
+    use_grouped_mm: bool = True  # torch._grouped_mm for the experts (False: an exact loop over experts)
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.dense_hidden_dim or super().ffn_hidden_dim
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.n_dense_layers
+
+    def feed_forward_params(self, layer: int, active: bool = False) -> int:
+        if not self.is_moe(layer):
+            return super().feed_forward_params(layer)
+        experts = (self.top_k if active else self.num_experts) + self.num_shared_experts
+        return self.dim + self.dim * self.num_experts + experts * 3 * self.dim * self.moe_hidden_dim  # + router
+
+
+# Published shapes. Qwen3-MoE: GQA with q/k head norms, softmax top-8 of 128 experts renormalized, no
+# shared experts (Qwen's config.json). DeepSeek-MoE 16B: standard multi-head attention, 64 routed
+# experts (top 6) + 2 shared, the first block dense (DeepSeek's config.json; not DeepSeek-V3, whose
+# attention is MLA).
+MOE_FLAVORS = {
+    "debugmoe": MoEArgs(
+        dim=256, n_layers=4, n_heads=16, n_kv_heads=4, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None,
+        num_experts=8, num_shared_experts=1, top_k=2, moe_hidden_dim=256, n_dense_layers=1, route_norm=True,
+        rope_scaling=False, rope_theta=10000.0,
+    ),
+    # DeepSeek-V3's routing on the debug shape: sigmoid scores, renormalized and scaled, no shared expert.
+    "debugmoe_sigmoid": MoEArgs(
+        dim=256, n_layers=4, n_heads=16, n_kv_heads=4, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None,
+        num_experts=8, top_k=2, moe_hidden_dim=256, n_dense_layers=1, score_func="sigmoid", route_norm=True,
+        route_scale=2.5, rope_scaling=False, rope_theta=10000.0,
+    ),
+    "qwen3_30b_a3b": MoEArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=768,
+        route_norm=True, max_seq_len=40960,
+    ),
+    "qwen3_235b_a22b": MoEArgs(
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=1536,
+        route_norm=True, max_seq_len=40960,
+    ),
+    "deepseek_moe_16b": MoEArgs(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, vocab_size=102400, norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=False, num_experts=64, num_shared_experts=2, top_k=6, moe_hidden_dim=1408, n_dense_layers=1,
+        dense_hidden_dim=10944, max_seq_len=4096,
+    ),
+}
+
+
+def check_moe(args: MoEArgs, dims) -> None:
+    from titanlite.config import ConfigError
+
+    if dims.tp > 1:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={dims.tp}: titanlite's MoE models do not run under tensor parallel "
+            "yet; set it to 1 and use expert, data, context or pipeline parallel"
+        )
+    if args.num_experts % dims.ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} does not divide the model's num_experts={args.num_experts}; "
+            f"choose a divisor of {args.num_experts}"
+        )
+    if not 0 < args.top_k <= args.num_experts:
+        raise ConfigError(
+            f"the MoE flavor routes each token to top_k={args.top_k} of num_experts={args.num_experts} experts; "
+            f"choose 1 <= top_k <= {args.num_experts}"
+        )
+    if args.score_func not in ("softmax", "sigmoid"):
+        raise ConfigError(f"MoE score_func='{args.score_func}' is not softmax or sigmoid; choose one of them")

@@ -65,6 +65,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3: each query and key head is RMS-normalized before RoPE.
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -72,6 +75,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         repeats = q.shape[2] // k.shape[2]  # GQA: share each kv head among `repeats` query heads
         k, v = (t.repeat_interleave(repeats, dim=2) if repeats > 1 else t for t in (k, v))
@@ -91,13 +96,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    """Attention, then a feed-forward: Llama's SwiGLU unless given another (a mixture of experts)."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = feed_forward or FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
@@ -109,11 +116,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed after materialization, never checkpointed.
         self.register_buffer("rope", rope_cache(args, args.max_seq_len), persistent=False)
+
+    def make_block(self, layer_id: int, args: ModelArgs) -> nn.Module:
+        return TransformerBlock(layer_id, args)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -135,7 +145,8 @@ class Transformer(nn.Module):
             return None
         layer_id = int(parts[1])
         depth_std = 0.02 / (2 * (layer_id + 1)) ** 0.5 if args.depth_init else 0.02 / (2 * args.n_layers) ** 0.5
-        return depth_std if parts[-2] in ("wo", "w2", "w3") else 0.02
+        projection = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]  # a raw parameter: experts.w2
+        return depth_std if projection in ("wo", "w2", "w3") else 0.02
 
     def initial_value(self, fqn: str, shape, device, seed: int) -> torch.Tensor:
         """The full initial tensor of one parameter, from a generator seeded by (seed, name).
@@ -164,6 +175,9 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             assign(param, self.initial_value(canonical_fqn(name), param.shape, param.device, seed))
         self.rope = rope_cache(self.args, self.args.max_seq_len, device=self.rope.device)
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_state"):
+                module.reset_state()  # state buffers (a MoE's expert bias) start from zero
 
     # ---- size and cost ----
 
@@ -172,6 +186,10 @@ class Transformer(nn.Module):
         if exclude_embedding and self.tok_embeddings is not None:
             total -= self.tok_embeddings.weight.numel()
         return total
+
+    def active_params(self) -> int:
+        """The weights one token uses (all of them in a dense model)."""
+        return self.args.num_params(active=True)
 
     def flops_per_token(self, seq_len: int) -> int:
         return self.args.flops_per_token(seq_len)

@@ -1,9 +1,14 @@
 """ParallelDims: the parallel degrees, their checks, and ONE DeviceMesh with named dims.
 
-Mesh dims, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. Derived (flattened) views:
+Mesh dims, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp, where dp_shard is laid out
+as two dims, efsdp x dp_shard_in_ep, so that expert parallel can borrow ranks without a mesh of its
+own (efsdp = dp_shard / dp_shard_in_ep; both are 1 and dp_shard without expert parallel).
+Derived (flattened) views:
   batch = dp_replicate x dp_shard   ranks that read different data
   loss  = dp_replicate x dp_shard x cp   ranks whose token counts and losses are summed
   fsdp  = dp_shard x cp   ranks that FSDP shards parameters over
+  ep    = dp_shard_in_ep x cp   ranks that split the routed experts (expert_parallel_degree)
+  efsdp   the data ranks outside EP: FSDP shards the routed experts over them (with dp_replicate: HSDP)
 Components ask `get_mesh(name)` instead of building groups of their own.
 The checks are plain Python so run_train.sh can run them before torchrun starts.
 """
@@ -14,11 +19,12 @@ from dataclasses import dataclass, field
 
 from titanlite.config import ConfigError, JobConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
 DERIVED = {
-    "batch": ("dp_replicate", "dp_shard"),
-    "loss": ("dp_replicate", "dp_shard", "cp"),
-    "fsdp": ("dp_shard", "cp"),
+    "batch": ("dp_replicate", "efsdp", "dp_shard_in_ep"),
+    "loss": ("dp_replicate", "efsdp", "dp_shard_in_ep", "cp"),
+    "fsdp": ("efsdp", "dp_shard_in_ep", "cp"),
+    "ep": ("dp_shard_in_ep", "cp"),
 }
 
 
@@ -30,6 +36,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
     _meshes: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -56,7 +63,8 @@ class ParallelDims:
                 f"parallelism degrees (dp_shard={dp_shard} {layout}) multiply to {dp_shard * others}, "
                 f"not the world size {world_size}; set parallelism.data_parallel_shard_degree=-1 or fix the degrees"
             )
-        dims = cls(dp_replicate, dp_shard, cp, tp, pp, world_size)
+        dims = cls(dp_replicate, dp_shard, cp, tp, pp, world_size, p.expert_parallel_degree)
+        dims.check_expert_parallel()
         t, v = config.training, config.validation
         dims.check_sequence("training.seq_len", t.seq_len)
         if v.enable:
@@ -68,6 +76,31 @@ class ParallelDims:
                     "have fixed shapes); set them equal"
                 )
         return dims
+
+    def check_expert_parallel(self) -> None:
+        """EP borrows all of cp and part of dp_shard: ep = dp_shard_in_ep x cp."""
+        ep, cp = self.ep, self.cp
+        key = f"parallelism.expert_parallel_degree={ep}"
+        if ep < 1:
+            raise ConfigError(f"{key} must be >= 1 (1 = no expert parallel)")
+        if ep > 1 and (ep % cp or self.dp_shard % (ep // cp)):
+            raise ConfigError(
+                f"{key} must be context_parallel_degree={cp} times a divisor of data_parallel_shard_degree="
+                f"{self.dp_shard} (expert parallel borrows those ranks); choose one of "
+                f"{', '.join(str(cp * d) for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0)}"
+            )
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        return self.ep // self.cp if self.ep > 1 else 1
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard // self.dp_shard_in_ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     def check_sequence(self, key: str, seq_len: int) -> None:
         divisor = self.seq_len_divisor
@@ -123,10 +156,13 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS) + f" (world {self.world_size})"
+        dims = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        return " x ".join(f"{n}={getattr(self, n)}" for n in dims) + (f", ep={self.ep}" if self.ep_enabled else "") + (
+            f" (world {self.world_size})"
+        )
 
     def build_mesh(self, device_type: str):
-        """Create the world mesh (pp, dp_replicate, dp_shard, cp, tp) and its flattened views."""
+        """Create the world mesh (pp, dp_replicate, efsdp, dp_shard_in_ep, cp, tp) and its flattened views."""
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = tuple(getattr(self, n) for n in MESH_DIMS)
@@ -138,7 +174,7 @@ class ParallelDims:
         return world
 
     def get_mesh(self, name: str | tuple[str, ...]):
-        """A named 1-D dim ('tp'), a derived view ('batch', 'loss', 'fsdp'), or a tuple of dims."""
+        """A named 1-D dim ('tp'), a derived view ('batch', 'loss', 'fsdp', 'ep'), or a tuple of dims."""
         if not self._meshes:
             raise RuntimeError("ParallelDims.build_mesh() must run before get_mesh()")
         if name in self._meshes:

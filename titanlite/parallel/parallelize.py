@@ -1,6 +1,6 @@
 """The one place where a plain model becomes a parallel one, in a fixed order you can read:
 
-    converters (float8) -> tensor parallel -> activation checkpointing -> compile -> FSDP
+    converters (float8) -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> FSDP
 
 Context parallel changes no module: it is a per-step context (parallel/context.py), and pipeline
 stages are split before this.
@@ -16,6 +16,7 @@ from titanlite.config import ConfigError, JobConfig, float8_recipe
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.expert import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.tensor import apply_tp
 
@@ -36,11 +37,12 @@ def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
     return dims.tp_enabled and not config.parallelism.disable_loss_parallel
 
 
-def data_parallel_mesh(dims: ParallelDims):
-    """FSDP's mesh: 1-D over fsdp, or 2-D (dp_replicate, fsdp) for HSDP and DDP."""
+def data_parallel_mesh(dims: ParallelDims, shard_dim: str = "fsdp"):
+    """FSDP's mesh: 1-D over `shard_dim`, or 2-D (dp_replicate, shard_dim) for HSDP and DDP. The
+    routed experts under expert parallel shard over efsdp, the data ranks outside EP."""
     if dims.dp_replicate > 1:
-        return dims.get_mesh(("dp_replicate", "fsdp"))
-    return dims.get_mesh("fsdp")
+        return dims.get_mesh(("dp_replicate", shard_dim))
+    return dims.get_mesh(shard_dim)
 
 
 def parallelize(
@@ -58,6 +60,9 @@ def parallelize(
         )
         if p.enable_async_tensor_parallel and device_type != "meta":
             enable_async_tp(dims.get_mesh("tp"), device_type)
+
+    if dims.ep_enabled:
+        apply_ep(model, plan, dims.get_mesh("ep"))
 
     ac = config.activation_checkpoint
     if ac.mode != "none":
@@ -83,6 +88,7 @@ def parallelize(
             reshard_after_forward=reshard,
             reshard_output_after_forward=p.fsdp_reshard_after_forward == "always",
             cpu_offload=offload,
+            expert_mesh=data_parallel_mesh(dims, "efsdp") if dims.ep_enabled else None,
         )
     return model
 

@@ -135,15 +135,43 @@ def pipeline_stages(model: nn.Module, plan, dims, config: JobConfig) -> tuple[li
     return ids, len(names), [split_model(model, plan, names[i]) for i in ids]
 
 
+def stage_keeping_buffers():
+    """torch's PipelineStage, except that the forward it runs at the first step to infer shapes
+    (a real forward, on uninitialized activations after the first stage) leaves the model's buffers
+    as they were: a MoE layer would count its tokens. (torch 2.13 names that method
+    _forward_metadata_inference, earlier releases _shape_inference.)"""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    def keeping_buffers(infer):
+        def run(self, *args, **kwargs):
+            saved = [(b, b.clone()) for b in self.submod.buffers()]
+            try:
+                return infer(self, *args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for buffer, value in saved:
+                        if not torch.equal(buffer, value):  # untouched ones (RoPE) may be in the graph
+                            buffer.copy_(value)
+
+        return run
+
+    methods = {
+        name: keeping_buffers(getattr(PipelineStage, name))
+        for name in ("_forward_metadata_inference", "_shape_inference")
+        if hasattr(PipelineStage, name)
+    }
+    return type("StageKeepingBuffers", (PipelineStage,), methods)
+
+
 def build_schedule(config: JobConfig, parts: list[nn.Module], stage_ids: list[int], n_stages: int, dims, device, loss_fn):
     """Wrap each part in a PipelineStage and build the schedule (gradients not scaled: the loss is
     already divided by the global token count)."""
-    from torch.distributed.pipelining import PipelineStage
-
     p = config.parallelism
     cls = schedule_class(p.pipeline_parallel_schedule)
     group = dims.get_mesh("pp").get_group()
-    stages = [PipelineStage(part, i, n_stages, device, group=group) for part, i in zip(parts, stage_ids)]
+    stage_class = stage_keeping_buffers()
+    stages = [stage_class(part, i, n_stages, device, group=group) for part, i in zip(parts, stage_ids)]
     n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
     try:
         return cls(

@@ -1,0 +1,231 @@
+"""The mixture-of-experts family: Llama's transformer with the dense SwiGLU replaced, in blocks from
+`n_dense_layers` on, by a token-choice top-k mixture of SwiGLU experts.
+
+A MoE layer routes each token to `top_k` of `num_experts` routed experts (softmax or sigmoid scores;
+optionally renormalized and scaled), runs every expert on its tokens (one grouped weight per
+projection, so experts shard as tensors; `torch._grouped_mm`, or an exact loop over experts), sums
+the weighted outputs per token and adds the shared experts, which every token visits.
+
+Load balancing (DeepSeek-V3): an expert bias, added to the scores only when choosing experts, moves
+after each optimizer step towards balance (`update_expert_bias`, from the token counts of all data
+ranks), and an optional sequence-wise auxiliary loss. Both depend only on global counts, so they are
+the same under any layout. No parallel code lives here: expert parallel (parallel/expert.py) wraps
+`experts` with the all-to-all dispatch, and supplies `reduce_sequence_counts` where a sequence is
+split over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.args import MoEArgs
+from titanlite.models.llama import FeedForward, Transformer, TransformerBlock
+
+
+def local_shard(weight: torch.Tensor) -> torch.Tensor:
+    """Experts sharded over expert-parallel ranks are DTensors: each rank computes with its own."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def outside_backward() -> bool:
+    """False while activation checkpointing recomputes a forward inside backward: counting there
+    would count each token twice."""
+    return torch._C._current_graph_task_id() == -1
+
+
+class Router(nn.Module):
+    """Token-choice top-k: scores over the experts; the bias only shifts which experts are chosen."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+        self.top_k, self.score_func = args.top_k, args.score_func
+        self.route_norm, self.route_scale = args.route_norm, args.route_scale
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (tokens, dim) -> (weights (tokens, k), chosen experts (tokens, k), scores (tokens, experts))."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        chosen = (scores + expert_bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, chosen, scores
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts as one (experts, in, out) weight per projection. Takes the tokens
+    grouped by expert and each expert's count; returns their outputs in the same order."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool):
+        super().__init__()
+        self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (local_shard(w) for w in (self.w1, self.w2, self.w3))
+        run = grouped_swiglu if self.use_grouped_mm else looped_swiglu
+        return run(x, counts, w1.to(x.dtype), w2.to(x.dtype), w3.to(x.dtype))
+
+
+def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    """The exact reference: one matmul chain per expert."""
+    outputs = [
+        (F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e] for e, rows in enumerate(x.split(counts.tolist()))
+    ]
+    return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])
+
+
+# CUDA's grouped GEMM wants every group's rows aligned (16 covers bf16 and float8); the CPU kernel does not.
+CUDA_ROW_ALIGNMENT = 16
+
+
+def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    """All experts in three `torch._grouped_mm` calls, groups delimited by cumulative counts. On CUDA
+    each group is padded with zero rows to the alignment (into a buffer of a size fixed by the shapes,
+    so no host sync); padded rows are dropped from the output."""
+    align = CUDA_ROW_ALIGNMENT if x.is_cuda else 1
+    if align > 1:
+        padded = (counts + align - 1) // align * align
+        shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # rows of padding before each group
+        rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, counts, output_size=x.shape[0])
+        buffer = x.new_zeros(x.shape[0] + counts.numel() * (align - 1), x.shape[1]).index_copy(0, rows, x)
+        offsets = torch.cumsum(padded, 0, dtype=torch.int32)
+        return _grouped_swiglu(buffer, offsets, w1, w2, w3)[rows]
+    return _grouped_swiglu(x, torch.cumsum(counts, 0, dtype=torch.int32), w1, w2, w3)
+
+
+def _grouped_swiglu(x, offsets, w1, w2, w3) -> torch.Tensor:
+    hidden = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+    return torch._grouped_mm(hidden, w2, offs=offsets)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Passes the output through and gives the auxiliary loss the gradient 1 in backward, so the loss
+    trains the router wherever the layer sits (any pipeline stage) without reaching the loss function."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux_loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_ones(ctx.aux_shape, dtype=torch.float32)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.top_k
+        self.load_balance_coeff, self.aux_loss_coeff = args.load_balance_coeff, args.aux_loss_coeff
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
+        shared = args.num_shared_experts * args.moe_hidden_dim
+        self.shared_experts = FeedForward(args.dim, shared) if shared else None
+        # Persistent: the bias is training state that a checkpoint keeps. The counts of the current step are not.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        # Set by the trainer each step: the aux loss is a mean over the step's sequences (aux_loss_scale
+        # = tokens per sequence / tokens in the step), and `sequence_len` is the full sequence length.
+        self.aux_loss_scale, self.sequence_len = 1.0, 0
+        # Expert parallel sets this where a sequence is split over ranks (context / sequence parallel).
+        self.reduce_sequence_counts = None
+
+    def reset_state(self) -> None:
+        for buffer in (self.expert_bias, self.tokens_per_expert, self.aux_loss_sum):
+            buffer.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        flat = x.reshape(-1, dim)
+        weights, chosen, scores = self.router(flat, self.expert_bias)
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
+        if self.training and outside_backward():
+            with torch.no_grad():
+                self.tokens_per_expert += counts
+        # Token copies sorted by expert (stable: a token's copies keep their order), through the experts, back.
+        order = chosen.flatten().argsort(stable=True)
+        token = order // self.top_k
+        routed = self.experts(flat[token], counts) * weights.flatten()[order].unsqueeze(-1).to(flat.dtype)
+        out = torch.zeros_like(flat).index_add(0, token, routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        if self.aux_loss_coeff and self.training:
+            out = _AttachAuxLoss.apply(out, self.sequence_aux_loss(scores, chosen, bsz, seqlen))
+        return out.view(bsz, seqlen, dim)
+
+    def sequence_aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, bsz: int, seqlen: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, aux_loss_coeff * sum_i f_i P_i per sequence: f_i is
+        expert i's share of the sequence's choices (times experts / k), P_i its mean normalized score.
+        Where a sequence is split over ranks, counts are summed over them and each rank adds its
+        tokens' scores; the result is this rank's share of the mean over the step's sequences."""
+        seq_len = self.sequence_len or seqlen
+        counts = torch.zeros(bsz, self.num_experts, device=scores.device)
+        counts.scatter_add_(1, chosen.view(bsz, -1), torch.ones_like(chosen, dtype=counts.dtype).view(bsz, -1))
+        if self.reduce_sequence_counts is not None:
+            counts = self.reduce_sequence_counts(counts)
+        share = counts * self.num_experts / (self.top_k * seq_len)
+        normalized = (scores / scores.sum(dim=-1, keepdim=True)).view(bsz, seqlen, -1)
+        aux = self.aux_loss_coeff * (share * normalized.sum(dim=1) / seq_len).sum() * self.aux_loss_scale
+        if outside_backward():
+            self.aux_loss_sum += aux.detach()
+        return aux
+
+
+class MoETransformer(Transformer):
+    """Llama's transformer with MoE feed-forwards from block `n_dense_layers` on."""
+
+    def make_block(self, layer_id: int, args: MoEArgs) -> nn.Module:
+        return TransformerBlock(layer_id, args, MoE(args) if args.is_moe(layer_id) else None)
+
+
+# ---- load balancing (called by the trainer around the optimizer step) ----
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def experts(model: nn.Module) -> list[nn.Module]:
+    """The routed experts: expert parallel shards them over experts, FSDP over the ranks outside EP."""
+    return [m.experts for m in moe_layers(model)]
+
+
+def set_step(layers: list[MoE], tokens_in_step: torch.Tensor, seq_len: int) -> None:
+    for layer in layers:
+        layer.aux_loss_scale, layer.sequence_len = seq_len / tokens_in_step, seq_len
+
+
+@torch.no_grad()
+def global_balance(layers: list[MoE], group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens per expert (layers, experts), aux loss) of the step, summed over the data ranks in
+    `group`, which route different tokens. One all-reduce."""
+    if not layers:
+        return torch.zeros(0, 0), torch.zeros(())
+    flat = torch.cat([torch.stack([layer.tokens_per_expert for layer in layers]).flatten(),
+                      torch.stack([layer.aux_loss_sum for layer in layers])])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    n = len(layers) * layers[0].num_experts
+    return flat[:n].view(len(layers), -1), flat[n:].sum()
+
+
+@torch.no_grad()
+def update_expert_bias(layers: list[MoE], counts: torch.Tensor) -> None:
+    """Auxiliary-loss-free balancing: each expert's bias moves by load_balance_coeff towards the mean
+    load (up if under-used, down if over-used), centered so the biases keep a zero mean; the step's
+    counts start again from zero."""
+    for layer, layer_counts in zip(layers, counts):
+        if layer.load_balance_coeff:
+            delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
+            layer.expert_bias += delta - delta.mean()
+        layer.tokens_per_expert.zero_()
+        layer.aux_loss_sum.zero_()
+
