@@ -331,3 +331,89 @@ def test_loading_never_unpickles_code_from_the_metadata(corpus_jsonl, tmp_path):
     out = run_command([sys.executable, str(REPO / "scripts" / "convert_hf.py"), "to-hf", str(step), str(tmp_path / "hf")], cwd=REPO)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
     assert not marker.exists()
+
+
+def test_moe_resharding_across_expert_parallel_degrees(corpus_jsonl, tmp_path):
+    """Save a MoE run on EP 2; resume on EP 2 (bitwise), 1 process and EP 4 x FSDP: the next step's
+    loss matches EP 2's own, and the expert bias (training state, not a weight) comes back."""
+    from titanlite.checkpoint import read_model_weights
+
+    moe = [*COMMON, "--model.name", "moe", "--model.flavor", "debugmoe", "--model.moe_load_balance_coeff", "0.01"]
+    source = tmp_path / "source"
+    torchrun(2, tiny_args(corpus_jsonl, source, *moe, "--training.steps", "4", "--checkpoint.interval", "3",
+                          "--parallelism.expert_parallel_degree", "2"))
+    expected = losses(source)[4]
+    saved = read_model_weights(source / "checkpoint" / "step-3", {"layers.1.feed_forward.expert_bias"})
+    assert saved["layers.1.feed_forward.expert_bias"].abs().sum() > 0  # it moved in 3 steps
+    start = ["--checkpoint.initial_load_path", str(source / "checkpoint" / "step-3"), "--checkpoint.initial_load_model_only", "false",
+             "--training.steps", "4"]
+    for name, nproc, layout in [
+        ("ep2", 2, ["--parallelism.expert_parallel_degree", "2"]),
+        ("single", 1, ["--training.local_batch_size", "4"]),
+        ("ep4", 4, ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "4"]),
+    ]:
+        torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *moe, *start, *layout))
+        assert list(losses(tmp_path / name)) == [4], name
+        if name == "ep2":
+            assert losses(tmp_path / name)[4] == expected  # the same layout: bitwise
+        assert abs(losses(tmp_path / name)[4] - expected) < 1e-5, (name, losses(tmp_path / name), expected)
+        # The bias after step 4 is the saved one moved by one more step (sign steps of 0.01, centered).
+        bias = read_model_weights(tmp_path / name / "checkpoint" / "step-4", {"layers.1.feed_forward.expert_bias"})
+        step = bias["layers.1.feed_forward.expert_bias"] - saved["layers.1.feed_forward.expert_bias"]
+        assert step.abs().max() <= 0.02 + 1e-6 and step.abs().sum() > 0, (name, step)
+
+
+def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_jsonl, tmp_path):
+    """A random Qwen3MoeForCausalLM (the debugmoe_qwen3 shapes: a dense first block, 8 experts, q/k
+    norms) imports through convert_hf.py with the same logits, exports back to the same weights, and
+    a run on EP 2 exports through checkpoint.last_save_in_hf as transformers reads it."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    from titanlite.checkpoint import read_model_weights
+    from titanlite.models import model_args
+    from titanlite.models.moe import MoETransformer
+
+    args = model_args("moe", "debugmoe_qwen3", 259, 64)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim, moe_intermediate_size=args.moe_hidden_dim,
+        num_experts=args.num_experts, num_experts_per_tok=args.top_k, norm_topk_prob=True, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, mlp_only_layers=[0],
+        rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps, initializer_range=0.1,  # wide enough to spread the routing
+    )
+    torch.manual_seed(0)
+    reference = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so a misplaced q/k norm permutation shows
+        for name, p in reference.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    reference.save_pretrained(str(tmp_path / "hf"))
+    convert = [sys.executable, str(REPO / "scripts" / "convert_hf.py")]
+    out = run_command([*convert, "from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")], cwd=REPO)
+    assert out.returncode == 0, out.stderr
+
+    ours = MoETransformer(args)
+    missing, unexpected = ours.load_state_dict(read_model_weights(tmp_path / "dcp"), strict=False)
+    # Qwen3-MoE has no expert bias: ours stays at its initial zeros.
+    assert not unexpected and sorted(missing) == [f"layers.{i}.feed_forward.expert_bias" for i in range(1, 4)]
+    ours.eval()
+    tokens = torch.randint(0, 259, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)
+
+    out = run_command([*convert, "to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model", "moe", "--flavor", "debugmoe_qwen3"], cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    for (name, p), (_, q) in zip(reference.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(p, q), name
+
+    # A run on 2 expert-parallel ranks exports its last step in Hugging Face format.
+    run = ["--model.name", "moe", "--model.flavor", "debugmoe_qwen3", "--training.steps", "2", "--checkpoint.enable",
+           "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf", "--parallelism.expert_parallel_degree", "2"]
+    torchrun(2, tiny_args(corpus_jsonl, tmp_path / "ep2", *run))
+    exported = tmp_path / "ep2" / "checkpoint" / "step-2"
+    trained = transformers.Qwen3MoeForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    from titanlite.hf import load_hf
+
+    ours.load_state_dict(load_hf(exported), strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), trained(tokens).logits, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(trained(tokens).logits, reference(tokens).logits)  # it is the trained model

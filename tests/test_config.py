@@ -90,12 +90,12 @@ def test_schema_has_every_torchtitan_v0_2_2_key_with_its_default():
         (["--fault_tolerance.enable"], ["fault_tolerance.enable=True is not implemented", "default False", "TorchFT"]),
         (["--quantize.linear.mx.recipe_name", "mxfp8_emulated"], ["quantize.linear.mx.recipe_name='mxfp8_emulated'", "float8"]),
         (["--model.converters", "float8,quantize.linear.mx"], ["'quantize.linear.mx' is not implemented", "float8"]),
-        (["--model.converters", "quantize.grouped_mm.float8"], ["is not implemented", "mixture-of-experts"]),
+        (["--model.converters", "quantize.grouped_mm.float8"], ["is not implemented", "routed experts run in high precision"]),
         (["--model.converters", "float8,quantize.linear.float8"], ["names a converter twice", "list each once"]),
         (["--activation_checkpoint.mode", "memory_budget"], ["'memory_budget' is not implemented", "'selective' or 'full'"]),
         (["--parallelism.context_parallel_load_balancer", "ptrr"], ["'ptrr' is not implemented", "headtail"]),
         (["--comm.mode", "local_tensor"], ["'local_tensor' is not implemented", "fake_backend"]),
-        (["--parallelism.expert_parallel_degree", "2"], ["expert_parallel_degree=2", "mixture-of-experts"]),
+        (["--parallelism.expert_tensor_parallel_degree", "2"], ["expert_tensor_parallel_degree=2", "do not run under tensor parallel"]),
     ],
 )
 def test_an_unimplemented_torchtitan_value_is_refused_in_one_line(args, words):

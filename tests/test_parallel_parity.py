@@ -336,12 +336,12 @@ CASES_MOE_4 = {
 # One launch per world size: process start dominates on CPU.
 @pytest.mark.slow
 def test_parity_two_ranks(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_2 | CASES_PP2 | CASES_CP2))
+    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2))
 
 
 @pytest.mark.slow
 def test_parity_four_ranks(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 4, str(corpus_jsonl), str(tmp_path), CASES_4 | CASES_CP4))
+    check(run_distributed(run_cases, 4, str(corpus_jsonl), str(tmp_path), CASES_4 | CASES_CP4 | CASES_MOE_4))
 
 
 @pytest.mark.slow

@@ -1,7 +1,10 @@
-"""Hugging Face Llama format <-> titanlite names: safetensors + config.json, loadable by transformers.
+"""Hugging Face format <-> titanlite names: safetensors + config.json, loadable by transformers.
+Llama 3 as LlamaForCausalLM; the MoE family's Qwen3-MoE shapes as Qwen3MoeForCausalLM.
 
 titanlite (like Meta's Llama) rotates consecutive pairs of each head for RoPE; Hugging Face's
-LlamaForCausalLM rotates the two halves. The q and k projections are permuted accordingly.
+models rotate the two halves. The q and k projections (and Qwen3's q/k head norms) are permuted
+accordingly. Routed experts are one (experts, in, out) tensor per projection here and one
+Linear weight per expert there (the Hub's layout, which transformers merges on load).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.models.args import ModelArgs
+from titanlite.models.args import ModelArgs, MoEArgs
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers writes by default (5 GB)
 
@@ -26,7 +29,14 @@ LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
 }
+EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+HF_EXPERT_NAMES = {v: k for k, v in EXPERT_NAMES.items()}
+EXPERTS = re.compile(r"^feed_forward\.experts\.(w[123])$")
+HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 HF_TOP_NAMES = {v: k for k, v in TOP_NAMES.items()}
 HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
@@ -35,45 +45,68 @@ HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows = w.shape[0]
+    return w.view(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows = w.shape[0]
+    return w.view(heads, 2, rows // heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def rotary_heads(name: str, n_heads: int, n_kv_heads: int) -> int | None:
-    """Heads of a projection whose output RoPE rotates (q and k), whose rows the two layouts order differently."""
-    return {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads}.get(name)
+    """Heads of a tensor along RoPE's rotated dim (q and k rows, the q/k head norms), which the two
+    layouts order differently."""
+    return {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads,
+            "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}.get(name)
 
 
-def to_hf_tensor(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[str, torch.Tensor]:
-    """(Hugging Face name, tensor in its layout) of one titanlite parameter."""
+def to_hf_tensors(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> list[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor in its layout) of one titanlite tensor: one per expert for routed
+    experts, none for a zero expert bias (Qwen3-MoE has none)."""
+    from titanlite.config import ConfigError
+
     if name in TOP_NAMES:
-        return TOP_NAMES[name], w
+        return [(TOP_NAMES[name], w)]
     layer, rest = LAYER.match(name).groups()
+    if rest == "feed_forward.expert_bias":
+        if w.any():
+            raise ConfigError(
+                f"{name} is not zero, and Qwen3MoeForCausalLM has no expert bias: the exported model would route "
+                "differently; export a model trained with model.moe_load_balance_coeff=0"
+            )
+        return []
+    if match := EXPERTS.match(rest):
+        projection = EXPERT_NAMES[match.group(1)]
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", w[e].t()) for e in range(w.shape[0])]
     if heads := rotary_heads(rest, n_heads, n_kv_heads):
         w = pairs_to_halves(w, heads)
-    return f"model.layers.{layer}.{LAYER_NAMES[rest]}", w
+    return [(f"model.layers.{layer}.{LAYER_NAMES[rest]}", w)]
 
 
 def from_hf_tensor(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[str, torch.Tensor] | None:
     """(titanlite name, tensor in its layout) of one Hugging Face tensor; None for tensors titanlite
-    has no parameter for (e.g. rotary inv_freq buffers of old exports)."""
+    has no parameter for (e.g. rotary inv_freq buffers of old exports). One expert's weight comes
+    back as (name of the experts' tensor, expert index, its (in, out) slice)."""
     if name in HF_TOP_NAMES:
         return HF_TOP_NAMES[name], w
     match = HF_LAYER.match(name)
-    if not match or match.group(2) not in HF_LAYER_NAMES:
+    if not match:
         return None
-    layer, rest = match.group(1), HF_LAYER_NAMES[match.group(2)]
+    layer, rest = match.groups()
+    if expert := HF_EXPERT.match(rest):
+        return f"layers.{layer}.feed_forward.experts.{HF_EXPERT_NAMES[expert.group(2)]}", (int(expert.group(1)), w.t())
+    if rest not in HF_LAYER_NAMES:
+        return None
+    rest = HF_LAYER_NAMES[rest]
     if heads := rotary_heads(rest, n_heads, n_kv_heads):
         w = halves_to_pairs(w, heads)
     return f"layers.{layer}.{rest}", w
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    if isinstance(args, MoEArgs):
+        return qwen3_moe_config(args, dtype)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -104,6 +137,46 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     return config
 
 
+def qwen3_moe_config(args: MoEArgs, dtype: torch.dtype) -> dict:
+    """Qwen3MoeForCausalLM's config of a MoE flavor of its architecture (dense blocks as mlp_only_layers)."""
+    from titanlite.config import ConfigError
+
+    differences = [
+        (not args.qk_norm, "no q/k head norms"), (args.num_shared_experts, "shared experts"),
+        (args.score_func != "softmax", f"{args.score_func} scores"), (args.route_scale != 1.0, "a route scale"),
+        (args.rope_scaling, "Llama 3.1 RoPE scaling"),
+    ]
+    if found := [what for differs, what in differences if differs]:
+        raise ConfigError(
+            f"this MoE flavor has {', '.join(found)}, which Qwen3MoeForCausalLM (the Hugging Face architecture "
+            "titanlite exports MoE models as) does not; export a Qwen3-MoE flavor (qwen3_30b_a3b, qwen3_235b_a22b, debugmoe_qwen3)"
+        )
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "num_experts": args.num_experts,
+        "num_experts_per_tok": args.top_k,
+        "norm_topk_prob": args.route_norm,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(args.n_dense_layers)),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def save_hf(read, sizes: dict[str, int], args: ModelArgs, folder: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
     """Write weights as Hugging Face safetensors + config.json: one model.safetensors, or shards of at
     most `shard_bytes` with model.safetensors.index.json (as transformers writes them). `sizes` maps
@@ -123,7 +196,7 @@ def save_hf(read, sizes: dict[str, int], args: ModelArgs, folder: Path, dtype: t
     weight_map = {}
     for i, names in enumerate(shards, 1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = dict(to_hf_tensor(n, w, args.n_heads, args.n_kv_heads) for n, w in read(names).items())
+        tensors = dict(pair for n, w in read(names).items() for pair in to_hf_tensors(n, w, args.n_heads, args.n_kv_heads))
         save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
     if len(shards) > 1:
@@ -141,13 +214,22 @@ def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden_dim, "vocab_size": args.vocab_size,
     }
+    if isinstance(args, MoEArgs):
+        expected |= {"num_experts": args.num_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden_dim}
     for key, value in expected.items():
-        found = config.get(key, config["num_attention_heads"] if key == "num_key_value_heads" else None)
+        found = num_experts(config) if key == "num_experts" else config.get(
+            key, config["num_attention_heads"] if key == "num_key_value_heads" else None
+        )
         if found != value:
             raise ConfigError(
                 f"Hugging Face checkpoint '{folder}' has {key}={found}, the model being trained {value}; choose the "
                 "model.flavor (and tokenizer) the checkpoint was made for"
             )
+
+
+def num_experts(config: dict) -> int:
+    """The Hub's Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts."""
+    return config.get("num_experts", config.get("num_local_experts"))
 
 
 def read_hf_config(folder: Path) -> tuple[dict, int, int]:
@@ -158,15 +240,27 @@ def read_hf_config(folder: Path) -> tuple[dict, int, int]:
 
 
 def iter_hf(folder: Path):
-    """(titanlite name, tensor) of each weight in a Hugging Face folder, one tensor in memory at a time."""
+    """(titanlite name, tensor) of each weight in a Hugging Face folder, one tensor in memory at a time
+    (routed experts: one projection of one layer, gathered from its experts' weights)."""
     from safetensors import safe_open
 
-    _, heads, kv_heads = read_hf_config(folder)
+    config, heads, kv_heads = read_hf_config(folder)
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                if converted := from_hf_tensor(key, f.get_tensor(key), heads, kv_heads):
-                    yield converted
+                converted = from_hf_tensor(key, f.get_tensor(key), heads, kv_heads)
+                if converted is None:
+                    continue
+                name, value = converted
+                if not isinstance(value, tuple):
+                    yield name, value
+                    continue
+                gathered = experts.setdefault(name, {})
+                gathered[value[0]] = value[1]
+                if len(gathered) == num_experts(config):
+                    yield name, torch.stack([gathered[e] for e in range(len(gathered))])
+                    del experts[name]
 
 
 def load_hf(folder: Path) -> dict:

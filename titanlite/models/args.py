@@ -95,6 +95,11 @@ def check_llama3(args: ModelArgs, dims) -> None:
     layout (titanlite.parallel.dims.ParallelDims)."""
     from titanlite.config import ConfigError
 
+    if dims.ep > 1:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} splits the experts of a MoE model, and this model has none; "
+            "set it to 1, or choose model.name='moe'"
+        )
     tp = dims.tp
     for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
         if value % tp:
@@ -140,7 +145,8 @@ class MoEArgs(ModelArgs):
 
 
 # Published shapes. Qwen3-MoE: GQA with q/k head norms, softmax top-8 of 128 experts renormalized, no
-# shared experts (Qwen's config.json). DeepSeek-MoE 16B: standard multi-head attention, 64 routed
+# shared experts, balanced by an aux loss (coefficient 0.001) and no expert bias (Qwen's config.json;
+# Qwen's loss is global-batch, ours sequence-wise). DeepSeek-MoE 16B: standard multi-head attention, 64 routed
 # experts (top 6) + 2 shared, the first block dense (DeepSeek's config.json; not DeepSeek-V3, whose
 # attention is MLA).
 MOE_FLAVORS = {
@@ -155,15 +161,21 @@ MOE_FLAVORS = {
         num_experts=8, top_k=2, moe_hidden_dim=256, n_dense_layers=1, score_func="sigmoid", route_norm=True,
         route_scale=2.5, rope_scaling=False, rope_theta=10000.0,
     ),
+    # Qwen3-MoE's architecture on the debug shape: what the Hugging Face export and import are tested on.
+    "debugmoe_qwen3": MoEArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=64, qk_norm=True, vocab_size=0, multiple_of=256,
+        ffn_dim_multiplier=None, norm_eps=1e-6, num_experts=8, top_k=2, moe_hidden_dim=128, n_dense_layers=1,
+        route_norm=True, load_balance_coeff=0.0, rope_scaling=False, rope_theta=1000000.0,
+    ),
     "qwen3_30b_a3b": MoEArgs(
         dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
         norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=768,
-        route_norm=True, max_seq_len=40960,
+        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
     ),
     "qwen3_235b_a22b": MoEArgs(
         dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
         norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=1536,
-        route_norm=True, max_seq_len=40960,
+        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
     ),
     "deepseek_moe_16b": MoEArgs(
         dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, vocab_size=102400, norm_eps=1e-6, rope_theta=10000.0,

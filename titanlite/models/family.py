@@ -42,7 +42,7 @@ class ParallelPlan:
     block_tp_plan: Callable  # (block, sequence_parallel, float8_recipe or None) -> {name: ParallelStyle}
     compile_units: Callable  # (block, tp_enabled) -> the modules torch.compile wraps
     cp_buffers: Callable  # model -> [(buffer, its sequence dim)] that context parallel shards with the inputs
-    hf: ModuleType | None  # Hugging Face adapter: to_hf_tensor, from_hf_tensor, hf_config, check_hf_shapes
+    hf: ModuleType | None  # Hugging Face adapter: save_hf, iter_hf, read_hf_config, check_hf_shapes
     # Mixture of experts: the routed-expert modules (expert parallel shards them over experts, FSDP
     # over the data ranks outside EP) and the layers whose load balance the trainer updates.
     experts: Callable = lambda model: []  # model -> [nn.Module]

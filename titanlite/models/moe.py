@@ -85,11 +85,11 @@ def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
 CUDA_ROW_ALIGNMENT = 16
 
 
-def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """All experts in three `torch._grouped_mm` calls, groups delimited by cumulative counts. On CUDA
-    each group is padded with zero rows to the alignment (into a buffer of a size fixed by the shapes,
-    so no host sync); padded rows are dropped from the output."""
-    align = CUDA_ROW_ALIGNMENT if x.is_cuda else 1
+def grouped_swiglu(x, counts, w1, w2, w3, align: int | None = None) -> torch.Tensor:
+    """All experts in three `torch._grouped_mm` calls, groups delimited by cumulative counts. Each
+    group is padded with zero rows to `align` rows (default: CUDA's alignment on CUDA, none on CPU)
+    into a buffer of a size fixed by the shapes, so no host sync; padded rows are dropped from the output."""
+    align = align or (CUDA_ROW_ALIGNMENT if x.is_cuda else 1)
     if align > 1:
         padded = (counts + align - 1) // align * align
         shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # rows of padding before each group

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from titanlite import hf
 from titanlite.models import llama_parallel
 from titanlite.models.family import ParallelPlan
 from titanlite.models.moe import MoE, MoETransformer, experts, moe_layers
@@ -30,7 +31,7 @@ PLAN = ParallelPlan(
     block_tp_plan=llama_parallel.PLAN.block_tp_plan,  # never reached: check_moe refuses tensor parallel
     compile_units=compile_units,
     cp_buffers=llama_parallel.cp_buffers,
-    hf=None,
+    hf=hf,  # Qwen3-MoE shapes, as Qwen3MoeForCausalLM
     experts=experts,
     moe_layers=moe_layers,
 )

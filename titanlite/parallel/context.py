@@ -108,3 +108,17 @@ def sequence_parallel_step(
         no_restore_buffers=set(shards),
     ):
         yield shards
+
+
+def share_sequence_counts(model: nn.Module, plan, cp_mesh: DeviceMesh) -> None:
+    """Each cp rank holds part of every sequence: the MoE layers' per-sequence expert counts (the
+    sequence-wise aux loss) are summed over cp before use."""
+    group = cp_mesh.get_group()
+
+    def summed(counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.clone()
+        torch.distributed.all_reduce(counts, group=group)
+        return counts
+
+    for layer in plan.moe_layers(model):
+        layer.reduce_sequence_counts = summed

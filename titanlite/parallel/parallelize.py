@@ -2,8 +2,8 @@
 
     converters (float8) -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> FSDP
 
-Context parallel changes no module: it is a per-step context (parallel/context.py), and pipeline
-stages are split before this.
+Context parallel changes no module (it is a per-step context, parallel/context.py) beyond telling
+MoE layers to sum their per-sequence counts over cp; pipeline stages are split before this.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titanlite.config import ConfigError, JobConfig, float8_recipe
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
+from titanlite.parallel.context import share_sequence_counts
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
@@ -63,6 +64,8 @@ def parallelize(
 
     if dims.ep_enabled:
         apply_ep(model, plan, dims.get_mesh("ep"))
+    if dims.cp_enabled:
+        share_sequence_counts(model, plan, dims.get_mesh("cp"))
 
     ac = config.activation_checkpoint
     if ac.mode != "none":

@@ -1,0 +1,163 @@
+"""The mixture-of-experts family on one process: published sizes, the grouped GEMM path against the
+exact loop, routing, load balancing (expert bias, sequence-wise aux loss), and its config checks.
+The layouts (expert parallel and the rest) are in test_parallel_parity.py."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from titanlite.config import ConfigError, parse_args
+from titanlite.models import build_model, model_args
+from titanlite.models.args import MOE_FLAVORS, check_moe
+from titanlite.models.moe import MoE, MoETransformer, global_balance, grouped_swiglu, looped_swiglu, set_step, update_expert_bias
+from titanlite.parallel.dims import ParallelDims
+
+
+# Published totals and activated parameters (model cards / papers), in billions.
+@pytest.mark.parametrize(
+    "flavor, total, active",
+    [("qwen3_30b_a3b", 30.5, 3.3), ("qwen3_235b_a22b", 235.0, 22.0), ("deepseek_moe_16b", 16.4, 2.8)],
+)
+def test_flavors_have_the_published_sizes(flavor, total, active):
+    args = model_args("moe", flavor, 0, 4096)
+    model = build_model("moe", args)
+    assert model.num_params() == args.num_params()  # the planner counts from the shapes alone
+    assert args.num_params() / 1e9 == pytest.approx(total, rel=0.01)
+    assert args.num_params(active=True) / 1e9 == pytest.approx(active, rel=0.03)
+    # FLOPs count the weights a token visits: its top_k experts, not all of them.
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    assert args.flops_per_token(4096) == 6 * args.num_params(exclude_embedding=True, active=True) + attention
+
+
+def expert_inputs(tokens=40, experts=4, dim=8, hidden=12, empty=(2,), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, 2 * tokens // experts, (experts,), generator=gen)
+    counts[list(empty)] = 0  # an expert no token chose
+    x = torch.randn(int(counts.sum()), dim, generator=gen, requires_grad=True)
+    weights = [torch.randn(experts, *shape, generator=gen, requires_grad=True) for shape in ((dim, hidden), (hidden, dim), (dim, hidden))]
+    return x, counts, weights
+
+
+@pytest.mark.parametrize("align", [1, 16])  # 16: CUDA's padded groups, run on CPU
+def test_grouped_matmul_equals_the_loop_over_experts(align):
+    x, counts, (w1, w2, w3) = expert_inputs()
+    grad_out = torch.randn(x.shape[0], w2.shape[-1])
+    results = []
+    for run in (lambda: looped_swiglu(x, counts, w1, w2, w3), lambda: grouped_swiglu(x, counts, w1, w2, w3, align=align)):
+        out = run()
+        grads = torch.autograd.grad(out, (x, w1, w2, w3), grad_out)
+        results.append((out, *grads))
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
+def tiny_moe(**overrides) -> MoE:
+    args = replace(model_args("moe", "debugmoe", 256, 16), dim=16, moe_hidden_dim=8, **overrides)
+    layer = MoE(args)
+    torch.manual_seed(0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    layer.reset_state()
+    return layer
+
+
+def test_router_weights_sum_to_the_route_scale_and_the_bias_only_moves_the_choice():
+    layer = tiny_moe(score_func="sigmoid", route_norm=True, route_scale=2.5)
+    x = torch.randn(32, 16)
+    weights, chosen, scores = layer.router(x, layer.expert_bias)
+    torch.testing.assert_close(weights.sum(dim=-1), torch.full((32,), 2.5))
+    bias = torch.zeros(8)
+    bias[0] = 10.0  # expert 0 wins every choice; its weight still comes from the scores
+    weights_b, chosen_b, _ = layer.router(x, bias)
+    assert (chosen_b == 0).any(dim=-1).all()
+    raw = scores.gather(1, chosen_b)
+    torch.testing.assert_close(weights_b, 2.5 * raw / raw.sum(dim=-1, keepdim=True))
+
+
+def test_expert_bias_moves_towards_balance_with_zero_mean():
+    layers = [tiny_moe(load_balance_coeff=0.01)]
+    layers[0].tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 5, 5, 5, 5, 5]))
+    counts, _ = global_balance(layers, None)
+    update_expert_bias(layers, counts)
+    bias = layers[0].expert_bias
+    assert bias[0] < 0 < bias[1]  # the busy expert is chosen less, the idle one more
+    assert abs(bias.sum()) < 1e-6 and layers[0].tokens_per_expert.sum() == 0
+
+
+def test_sequence_aux_loss_follows_deepseek_v3_and_trains_the_router():
+    coeff, bsz, seq = 0.1, 2, 6
+    layer = tiny_moe(aux_loss_coeff=coeff)
+    x = torch.randn(bsz, seq, 16)
+    set_step([layer], torch.tensor(float(bsz * seq)), seq)
+    layer(x).sum().backward()
+    # By hand: per sequence, sum_i f_i * P_i with f_i = E / (k S) * count_i and P_i the mean normalized score.
+    _, chosen, scores = layer.router(x.view(-1, 16), layer.expert_bias)
+    expected = 0.0
+    for b in range(bsz):
+        rows = slice(b * seq, (b + 1) * seq)
+        f = torch.bincount(chosen[rows].flatten(), minlength=8) * 8 / (2 * seq)
+        p = (scores[rows] / scores[rows].sum(dim=-1, keepdim=True)).mean(dim=0)
+        expected += coeff * (f * p).sum() / bsz  # the mean over the step's sequences
+    assert layer.aux_loss_sum.item() == pytest.approx(expected.item(), rel=1e-5)
+    # The aux loss alone reaches the router: its gradient changes with the coefficient.
+    grad_with = layer.router.gate.weight.grad.clone()
+    layer.router.gate.weight.grad = None
+    layer.aux_loss_coeff = 0.0
+    layer(x).sum().backward()
+    assert not torch.allclose(grad_with, layer.router.gate.weight.grad)
+
+
+def test_tokens_are_counted_once_under_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    layer = tiny_moe()
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()  # backward recomputes the forward
+    assert layer.tokens_per_expert.sum() == 2 * 6 * layer.top_k
+    layer.eval()
+    layer(x)  # validation does not count
+    assert layer.tokens_per_expert.sum() == 2 * 6 * layer.top_k
+
+
+def test_dense_first_blocks_and_state_in_the_checkpoint():
+    args = model_args("moe", "debugmoe", 256, 16)
+    model = MoETransformer(args)
+    assert not isinstance(model.layers["0"].feed_forward, MoE) and all(
+        isinstance(model.layers[str(i)].feed_forward, MoE) for i in range(args.n_dense_layers, args.n_layers)
+    )
+    keys = model.state_dict().keys()
+    assert "layers.1.feed_forward.expert_bias" in keys and "layers.1.feed_forward.tokens_per_expert" not in keys
+
+
+def dims(*args: str, world: int):
+    return ParallelDims.from_config(parse_args(list(args)), world)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (dict(top_k=9), 1, "top_k=9 of num_experts=8"),
+        (dict(score_func="relu"), 1, "score_func='relu'"),
+    ],
+)
+def test_bad_moe_shapes_are_refused(overrides, world, message):
+    args = replace(MOE_FLAVORS["debugmoe"], **overrides)
+    with pytest.raises(ConfigError, match=message):
+        check_moe(args, dims(world=world))
+
+
+def test_bad_expert_parallel_layouts_are_refused():
+    from titanlite.models.args import LLAMA3_FLAVORS, check_llama3
+
+    with pytest.raises(ConfigError, match="expert_parallel_degree=2 splits the experts of a MoE model, and this model has none"):
+        check_llama3(LLAMA3_FLAVORS["debugmodel"], dims("--parallelism.expert_parallel_degree", "2", world=2))
+    args = MOE_FLAVORS["debugmoe"]
+    with pytest.raises(ConfigError, match="expert_parallel_degree=3 does not divide the model's num_experts=8"):
+        check_moe(args, dims("--parallelism.expert_parallel_degree", "3", world=6))
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2: titanlite's MoE models do not run under tensor parallel"):
+        check_moe(args, dims("--parallelism.tensor_parallel_degree", "2", world=2))
+    with pytest.raises(ConfigError, match="expert_parallel_degree=4 must be context_parallel_degree=1 times a divisor of data_parallel_shard_degree=2"):
+        dims("--parallelism.expert_parallel_degree", "4", world=2)
+    with pytest.raises(ConfigError, match="expert_parallel_degree=2 must be context_parallel_degree=4 times a divisor"):
+        dims("--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "4", world=4)
