@@ -1,7 +1,9 @@
 """Measure throughput, MFU and memory of a matrix of configs through the real trainer.
 
-    python scripts/benchmark.py --preset cpu            # debug shape: 1 rank, FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2
-    python scripts/benchmark.py --preset gpu            # Llama 3 8B shape (8 blocks) on one GPU: bf16/float8, compile, AC
+    python scripts/benchmark.py --preset cpu            # debug shape: 1 rank, FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2;
+                                                        # debug MoE: 1 rank, EP 2, EP 2 x FSDP 2
+    python scripts/benchmark.py --preset gpu            # Llama 3 8B shape (8 blocks) on one GPU: bf16/float8, compile, AC;
+                                                        # Qwen3-30B-A3B shape (4 blocks), bf16 + compile
     python scripts/benchmark.py --preset cpu --only 1rank fsdp2 --steps 30
 
 Each run is a torchrun of `titanlite.train`; the steps after --warmup are averaged. One row per run
@@ -44,6 +46,11 @@ TP, PP, CP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_par
 GPU_SHAPE = ["--model.flavor", "8B", "--model.n_layers", "8", "--training.seq_len", "8192", "--training.local_batch_size", "1",
              "--training.mixed_precision_param", "bfloat16"]
 COMPILE, FLOAT8 = ["--compile.enable"], ["--model.converters", "float8"]
+# The debug MoE (8 experts, top 2, a shared expert) on the CPU shape; EP splits its experts.
+MOE, EP = ["--model.name", "moe", "--model.flavor", "debugmoe"], "--parallelism.expert_parallel_degree"
+# Qwen3-30B-A3B's block shape (128 experts, top 8, q/k norms) with 4 of its 48 blocks: one GPU.
+GPU_MOE_SHAPE = ["--model.name", "moe", "--model.flavor", "qwen3_30b_a3b", "--model.n_layers", "4", "--training.seq_len", "4096",
+                 "--training.local_batch_size", "2"]
 
 PRESETS = {
     "cpu": (CPU_SHAPE, 2, [
@@ -53,6 +60,9 @@ PRESETS = {
         Run("pp2", 2, [PP, "2"]),
         Run("cp2", 2, [CP, "2"]),
         Run("fsdp2_tp2", 4, [TP, "2"]),
+        Run("moe_1rank", 1, MOE),
+        Run("moe_ep2", 2, MOE + [EP, "2"]),
+        Run("moe_ep2_fsdp2", 4, MOE + [EP, "2"]),
     ]),
     "gpu": (GPU_SHAPE, None, [
         Run("bf16", 1),
@@ -61,6 +71,7 @@ PRESETS = {
         Run("float8_rowwise_compile", 1, COMPILE + FLOAT8 + ["--quantize.linear.float8.recipe_name", "rowwise"]),
         Run("bf16_compile_ac_op", 1, COMPILE + ["--activation_checkpoint.mode", "selective"]),
         Run("bf16_compile_ac_full", 1, COMPILE + ["--activation_checkpoint.mode", "full"]),
+        Run("moe_qwen3_30b_a3b_bf16_compile", 1, GPU_MOE_SHAPE + COMPILE),
     ]),
     # A quick end-to-end check of this script (the tests run it).
     "smoke": (["--training.seq_len", "64", "--training.local_batch_size", "2"], 1, [Run("1rank", 1, bare=True), Run("fsdp2", 2)]),
@@ -85,14 +96,14 @@ def bare_loop(args: list[str], steps: int, warmup: int) -> float:
     from titanlite.config import parse_args
     from titanlite.data.dataset import build_dataloader
     from titanlite.data.tokenizer import build_tokenizer
-    from titanlite.models import model_args
-    from titanlite.models.llama import Transformer
+    from titanlite.models import FAMILIES, model_args
     from titanlite.optim import build_optimizer
 
     config = parse_args(args)
     t = config.training
     tokenizer = build_tokenizer(*config.tokenizer)
-    model = Transformer(model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, t.seq_len, config.model.n_layers))
+    args = model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, t.seq_len, config.model.n_layers, config.model)
+    model = FAMILIES[config.model.name].plan.build(args)
     model.init_weights(config.debug.seed or 0)
     optimizer = build_optimizer(model.parameters(), config)
     batches = [b for _, b in zip(range(steps), build_dataloader(config, tokenizer, 0, 1))]

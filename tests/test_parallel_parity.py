@@ -322,6 +322,11 @@ CASES_MOE_2 = {
     "moe_ep2_ac_full": MOE_SIGMOID_AUX + [EP, "2", "--activation_checkpoint.mode", "full"],
     "moe_cp2_ep2": MOE + [CP, "2", EP, "2"],
     "moe_pp2_aux": MOE_SIGMOID_AUX + PP + schedule("1F1B"),
+    "moe_pp2_zbv_aux": MOE_SIGMOID_AUX + PP + schedule("ZBVZeroBubble"),
+    "moe_pp2_interleaved_aux": MOE_SIGMOID_AUX + PP + schedule("Interleaved1F1B"),
+    # Compiled attention and dense FFNs (MoE layers stay eager); float8 on the dense linears.
+    "moe_ep2_compile": MOE + [EP, "2", "--compile.enable"],
+    "moe_ep2_float8": MOE + F8 + [EP, "2"],
     "free_moe_ep2": MOE + [EP, "2"],
 }
 CASES_MOE_4 = {
