@@ -89,10 +89,11 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
              "--parallelism.pipeline_parallel_layers_per_stage", "2"], "runs one stage per rank, but the split gives 2"),
         (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
              "--parallelism.pipeline_parallel_layers_per_stage", "1"], "needs exactly 2 stages per rank"),
-        # Mixture of experts: experts over EP, EP over the data ranks, no TP yet.
+        # Mixture of experts: experts over EP, EP over the data ranks (and cp and tp), TP with SP.
         (6, MOE + ["--parallelism.expert_parallel_degree", "3"], "does not divide the model's num_experts=8"),
-        (2, MOE + ["--parallelism.expert_parallel_degree", "4"], "must be context_parallel_degree=1 times a divisor of"),
-        (2, MOE + ["--parallelism.tensor_parallel_degree", "2"], "MoE models do not run under tensor parallel yet"),
+        (2, MOE + ["--parallelism.expert_parallel_degree", "4"], "must be context_parallel_degree x tensor_parallel_degree=1 times a divisor of"),
+        (2, MOE + ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"],
+         "set parallelism.enable_sequence_parallel=true"),
         # The run's inputs, checked before launch too.
         (1, ["--training.dataset", str(tmp_path / "missing.jsonl")], "missing.jsonl' matches no files"),
         (1, ["--model.hf_assets_path", str(tmp_path / "tokenizer.json")], "is not a tokenizer file or a folder with tokenizer.json"),

@@ -155,9 +155,11 @@ def test_bad_expert_parallel_layouts_are_refused():
     args = MOE_FLAVORS["debugmoe"]
     with pytest.raises(ConfigError, match="expert_parallel_degree=3 does not divide the model's num_experts=8"):
         check_moe(args, dims("--parallelism.expert_parallel_degree", "3", world=6))
-    with pytest.raises(ConfigError, match="tensor_parallel_degree=2: titanlite's MoE models do not run under tensor parallel"):
-        check_moe(args, dims("--parallelism.tensor_parallel_degree", "2", world=2))
-    with pytest.raises(ConfigError, match="expert_parallel_degree=4 must be context_parallel_degree=1 times a divisor of data_parallel_shard_degree=2"):
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2 with enable_sequence_parallel=false: a MoE layer"):
+        check_moe(args, dims("--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false", world=2))
+    with pytest.raises(ConfigError, match="expert_parallel_degree=2 must be context_parallel_degree x tensor_parallel_degree=4"):
+        dims("--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", world=4)
+    with pytest.raises(ConfigError, match="expert_parallel_degree=4 must be context_parallel_degree x tensor_parallel_degree=1 times a divisor of data_parallel_shard_degree=2"):
         dims("--parallelism.expert_parallel_degree", "4", world=2)
-    with pytest.raises(ConfigError, match="expert_parallel_degree=2 must be context_parallel_degree=4 times a divisor"):
+    with pytest.raises(ConfigError, match="expert_parallel_degree=2 must be context_parallel_degree x tensor_parallel_degree=4 times a divisor"):
         dims("--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "4", world=4)

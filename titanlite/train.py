@@ -214,6 +214,7 @@ class Trainer:
         batch_mesh = self.dims.get_mesh("batch")
         self.dp_rank, self.dp_degree = batch_mesh.get_local_rank(), batch_mesh.size()
         self.batch_group, self.loss_group = batch_mesh.get_group(), self.dims.get_mesh("loss").get_group()
+        self.routing_group = self.dims.get_mesh("routing").get_group()  # MoE token counts: tp ranks route their own
         self.accumulation_steps = self.dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
         self.dataloader = build_dataloader(config, self.tokenizer, self.dp_rank, self.dp_degree)
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
@@ -327,7 +328,7 @@ class Trainer:
         """MoE: the step's tokens per expert and aux loss, summed over the data ranks (one all-reduce);
         the expert bias moves towards balance (not after a skipped step). Keeps, for the log, the
         busiest expert's load over the mean (worst layer of this stage) and the aux loss."""
-        counts, aux = global_balance(self.moe_layers, self.loss_group)
+        counts, aux = global_balance(self.moe_layers, self.routing_group)
         if not update_bias:
             counts.zero_()  # leaves the bias where it is
         update_expert_bias(self.moe_layers, counts)

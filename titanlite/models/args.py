@@ -91,8 +91,8 @@ LLAMA3_FLAVORS = {
 
 
 def check_llama3(args: ModelArgs, dims) -> None:
-    """Tensor parallel splits attention by heads: both head counts must divide by tp. `dims`: the
-    layout (titanlite.parallel.dims.ParallelDims)."""
+    """No experts to split; tensor parallel splits attention by heads: both head counts must divide
+    by tp. `dims`: the layout (titanlite.parallel.dims.ParallelDims)."""
     from titanlite.config import ConfigError
 
     if dims.ep > 1:
@@ -100,7 +100,12 @@ def check_llama3(args: ModelArgs, dims) -> None:
             f"parallelism.expert_parallel_degree={dims.ep} splits the experts of a MoE model, and this model has none; "
             "set it to 1, or choose model.name='moe'"
         )
-    tp = dims.tp
+    check_heads(args, dims.tp)
+
+
+def check_heads(args: ModelArgs, tp: int) -> None:
+    from titanlite.config import ConfigError
+
     for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
         if value % tp:
             raise ConfigError(
@@ -188,11 +193,12 @@ MOE_FLAVORS = {
 def check_moe(args: MoEArgs, dims) -> None:
     from titanlite.config import ConfigError
 
-    if dims.tp > 1:
+    if dims.tp > 1 and not dims.sequence_parallel:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={dims.tp}: titanlite's MoE models do not run under tensor parallel "
-            "yet; set it to 1 and use expert, data, context or pipeline parallel"
+            f"parallelism.tensor_parallel_degree={dims.tp} with enable_sequence_parallel=false: a MoE layer under "
+            "tensor parallel routes each tp rank's sequence shard; set parallelism.enable_sequence_parallel=true"
         )
+    check_heads(args, dims.tp)
     if args.num_experts % dims.ep:
         raise ConfigError(
             f"parallelism.expert_parallel_degree={dims.ep} does not divide the model's num_experts={args.num_experts}; "

@@ -23,18 +23,15 @@ from titanlite.models.llama import Transformer
 INPUT_PROJECTIONS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
 
 
-def block_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
-    """The TP plan of one TransformerBlock: q/k/v and w1/w3 column-wise, wo and w2 row-wise. Sequence
-    parallel's gathers before the sub-modules in `float8_inputs` move float8 bytes."""
-    between_blocks = Shard(1) if sequence_parallel else Replicate()
+def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
+    """The TP plan of a block's attention half: q/k/v column-wise, wo row-wise; under sequence
+    parallel its norm on the sequence shard and the shard gathered before the projections (in
+    float8 when "attention" is in `float8_inputs`)."""
     plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=between_blocks),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=between_blocks),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
     }
     if sequence_parallel:
         plan |= {
@@ -42,10 +39,30 @@ def block_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozense
             "ffn_norm": SequenceParallel(),
             # The sequence shard is gathered before the projections; the RoPE table passes untouched.
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
-        plan |= {name: Float8PrepareModuleInput() for name in float8_inputs}
-    return plan
+    return plan | _float8_gathers(float8_inputs & {"attention"}, sequence_parallel)
+
+
+def feed_forward_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
+    """The TP plan of a dense SwiGLU: w1/w3 column-wise, w2 row-wise (its input gathered under SP)."""
+    plan = {
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
+    }
+    if sequence_parallel:
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan | _float8_gathers(float8_inputs & {"feed_forward"}, sequence_parallel)
+
+
+def _float8_gathers(names: set[str], sequence_parallel: bool) -> dict:
+    """Sequence parallel's gathers before these sub-modules move float8 bytes."""
+    return {name: Float8PrepareModuleInput() for name in names} if sequence_parallel else {}
+
+
+def block_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
+    """The TP plan of one TransformerBlock."""
+    return attention_plan(sequence_parallel, float8_inputs) | feed_forward_plan(sequence_parallel, float8_inputs)
 
 
 def float8_gathered_inputs(block: nn.Module, float8_recipe: str | None) -> frozenset[str]:
@@ -55,7 +72,7 @@ def float8_gathered_inputs(block: nn.Module, float8_recipe: str | None) -> froze
         return frozenset()
     return frozenset(
         name for name, projections in INPUT_PROJECTIONS.items()
-        if all(isinstance(getattr(getattr(block, name), p), Float8Linear) for p in projections)
+        if all(isinstance(getattr(getattr(block, name), p, None), Float8Linear) for p in projections)
     )
 
 

@@ -2,6 +2,11 @@
 feed-forward), plus the routed experts that expert parallel shards and the MoE layers whose load
 balance the trainer updates.
 
+Under tensor parallel (with sequence parallel) a MoE layer is not split: each tp rank routes the
+tokens of its own sequence shard, as a data rank would (TorchTitan's expert_tensor_parallel_degree
+= 1). The layer takes its input as the local shard, and FSDP shards its weights over `moe_fsdp`, which
+includes tp, so their gradients are summed over the tp ranks' tokens too.
+
 torch.compile takes a block's attention and a dense block's feed-forward; a MoE feed-forward runs
 eagerly, since its routing has data-dependent sizes (expert parallel's split sizes, the loop over
 experts) that a full graph cannot hold.
@@ -10,6 +15,8 @@ experts) that a full graph cannot hold.
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from titanlite import hf
 from titanlite.models import llama_parallel
@@ -22,13 +29,24 @@ def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
     return [inner.attention] + ([] if isinstance(inner.feed_forward, MoE) else [inner.feed_forward])
 
 
+def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | None) -> dict:
+    """Llama's plan for a dense block; for a MoE block Llama's attention half, and the MoE layer
+    takes this rank's sequence shard as a plain tensor (check_moe requires sequence parallel)."""
+    if not isinstance(block.feed_forward, MoE):
+        return llama_parallel.PLAN.block_tp_plan(block, sequence_parallel, float8_recipe)
+    gathered = llama_parallel.float8_gathered_inputs(block, float8_recipe)
+    return llama_parallel.attention_plan(sequence_parallel, gathered) | {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
+    }
+
+
 PLAN = ParallelPlan(
     build=MoETransformer,
     head=llama_parallel.PLAN.head,
     blocks=llama_parallel.PLAN.blocks,
     tail=llama_parallel.PLAN.tail,
     tp_plan=llama_parallel.PLAN.tp_plan,
-    block_tp_plan=llama_parallel.PLAN.block_tp_plan,  # never reached: check_moe refuses tensor parallel
+    block_tp_plan=block_plan,
     compile_units=compile_units,
     cp_buffers=llama_parallel.cp_buffers,
     hf=hf,  # Qwen3-MoE shapes, as Qwen3MoeForCausalLM

@@ -110,10 +110,11 @@ def sequence_parallel_step(
         yield shards
 
 
-def share_sequence_counts(model: nn.Module, plan, cp_mesh: DeviceMesh) -> None:
-    """Each cp rank holds part of every sequence: the MoE layers' per-sequence expert counts (the
-    sequence-wise aux loss) are summed over cp before use."""
-    group = cp_mesh.get_group()
+def share_sequence_counts(model: nn.Module, plan, sequence_mesh: DeviceMesh) -> None:
+    """Each cp rank (and under sequence parallel each tp rank, in a MoE layer) holds part of every
+    sequence: the MoE layers' per-sequence expert counts (the sequence-wise aux loss) are summed
+    over them before use."""
+    group = sequence_mesh.get_group()
 
     def summed(counts: torch.Tensor) -> torch.Tensor:
         counts = counts.clone()

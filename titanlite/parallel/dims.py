@@ -4,11 +4,15 @@ Mesh dims, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp, where dp_
 as two dims, efsdp x dp_shard_in_ep, so that expert parallel can borrow ranks without a mesh of its
 own (efsdp = dp_shard / dp_shard_in_ep; both are 1 and dp_shard without expert parallel).
 Derived (flattened) views:
-  batch = dp_replicate x dp_shard   ranks that read different data
-  loss  = dp_replicate x dp_shard x cp   ranks whose token counts and losses are summed
-  fsdp  = dp_shard x cp   ranks that FSDP shards parameters over
-  ep    = dp_shard_in_ep x cp   ranks that split the routed experts (expert_parallel_degree)
-  efsdp   the data ranks outside EP: FSDP shards the routed experts over them (with dp_replicate: HSDP)
+  batch    = dp_replicate x dp_shard   ranks that read different data
+  loss     = dp_replicate x dp_shard x cp   ranks whose token counts and losses are summed
+  fsdp     = dp_shard x cp   ranks that FSDP shards parameters over
+  routing  = dp_replicate x dp_shard x cp x tp   ranks that route different tokens through MoE layers:
+             under tensor parallel (with sequence parallel) each tp rank routes its sequence shard
+  moe_fsdp = dp_shard x cp x tp   where FSDP shards a MoE layer's own weights: tp ranks saw other tokens
+  sequence = cp x tp   ranks that hold parts of the same sequences
+  ep       = dp_shard_in_ep x cp x tp   ranks that split the routed experts (expert_parallel_degree > 1)
+  efsdp      the routing ranks outside EP: FSDP shards the routed experts over them (with dp_replicate: HSDP)
 Components ask `get_mesh(name)` instead of building groups of their own.
 The checks are plain Python so run_train.sh can run them before torchrun starts.
 """
@@ -24,8 +28,11 @@ DERIVED = {
     "batch": ("dp_replicate", "efsdp", "dp_shard_in_ep"),
     "loss": ("dp_replicate", "efsdp", "dp_shard_in_ep", "cp"),
     "fsdp": ("efsdp", "dp_shard_in_ep", "cp"),
-    "ep": ("dp_shard_in_ep", "cp"),
+    "routing": ("dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp"),
+    "moe_fsdp": ("efsdp", "dp_shard_in_ep", "cp", "tp"),
+    "sequence": ("cp", "tp"),
 }
+EXPERT_PARALLEL = ("dp_shard_in_ep", "cp", "tp")
 
 
 @dataclass
@@ -37,6 +44,7 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
+    sequence_parallel: bool = True  # under tp > 1: activations between blocks sharded along the sequence
     _meshes: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -63,7 +71,7 @@ class ParallelDims:
                 f"parallelism degrees (dp_shard={dp_shard} {layout}) multiply to {dp_shard * others}, "
                 f"not the world size {world_size}; set parallelism.data_parallel_shard_degree=-1 or fix the degrees"
             )
-        dims = cls(dp_replicate, dp_shard, cp, tp, pp, world_size, p.expert_parallel_degree)
+        dims = cls(dp_replicate, dp_shard, cp, tp, pp, world_size, p.expert_parallel_degree, p.enable_sequence_parallel)
         dims.check_expert_parallel()
         t, v = config.training, config.validation
         dims.check_sequence("training.seq_len", t.seq_len)
@@ -78,21 +86,22 @@ class ParallelDims:
         return dims
 
     def check_expert_parallel(self) -> None:
-        """EP borrows all of cp and part of dp_shard: ep = dp_shard_in_ep x cp."""
-        ep, cp = self.ep, self.cp
+        """EP borrows all of cp and tp and part of dp_shard: ep = dp_shard_in_ep x cp x tp (TorchTitan's
+        expert_tensor_parallel_degree = 1: the routed experts are not split by tp)."""
+        ep, inner = self.ep, self.cp * self.tp
         key = f"parallelism.expert_parallel_degree={ep}"
         if ep < 1:
             raise ConfigError(f"{key} must be >= 1 (1 = no expert parallel)")
-        if ep > 1 and (ep % cp or self.dp_shard % (ep // cp)):
+        if ep > 1 and (ep % inner or self.dp_shard % (ep // inner)):
             raise ConfigError(
-                f"{key} must be context_parallel_degree={cp} times a divisor of data_parallel_shard_degree="
-                f"{self.dp_shard} (expert parallel borrows those ranks); choose one of "
-                f"{', '.join(str(cp * d) for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0)}"
+                f"{key} must be context_parallel_degree x tensor_parallel_degree={inner} times a divisor of "
+                f"data_parallel_shard_degree={self.dp_shard} (expert parallel borrows those ranks); choose one of "
+                f"{', '.join(str(inner * d) for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0)}"
             )
 
     @property
     def dp_shard_in_ep(self) -> int:
-        return self.ep // self.cp if self.ep > 1 else 1
+        return self.ep // (self.cp * self.tp) if self.ep > 1 else 1
 
     @property
     def efsdp(self) -> int:
@@ -168,13 +177,14 @@ class ParallelDims:
         shape = tuple(getattr(self, n) for n in MESH_DIMS)
         world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self._meshes = {"world": world}
-        for name, dims in DERIVED.items():
+        views = DERIVED | ({"ep": EXPERT_PARALLEL} if self.ep_enabled else {})
+        for name, dims in views.items():
             # Keep the handle _flatten returns: slicing flattened names from the root is deprecated.
             self._meshes[name] = world[dims]._flatten(name)
         return world
 
     def get_mesh(self, name: str | tuple[str, ...]):
-        """A named 1-D dim ('tp'), a derived view ('batch', 'loss', 'fsdp', 'ep'), or a tuple of dims."""
+        """A named 1-D dim ('tp'), a derived view ('batch', 'loss', 'fsdp', 'routing', 'ep', ...), or a tuple of dims."""
         if not self._meshes:
             raise RuntimeError("ParallelDims.build_mesh() must run before get_mesh()")
         if name in self._meshes:

@@ -3,7 +3,8 @@ as one unit (Llama: final norm + output) and the root.
 
 One mesh dim shards (FSDP), two dims replicate-and-shard (HSDP); a replicate dim with shard size 1
 is plain data parallel (DDP). Under expert parallel the family's routed experts are a unit of
-their own on `expert_mesh` (the data ranks outside EP), inside their block's unit.
+their own on `expert_mesh` (the data ranks outside EP), inside their block's unit; under tensor
+parallel a MoE layer is one on `moe_mesh` (the data ranks and tp, whose ranks routed other tokens).
 The loss is divided by the global count of valid tokens, so FSDP's
 own averaging over ranks is turned off (gradient divide factor 1): gradients are summed.
 """
@@ -26,6 +27,7 @@ def apply_fsdp(
     reshard_output_after_forward: bool,
     cpu_offload: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    moe_mesh: DeviceMesh | None = None,
 ) -> None:
     shard = dict(
         mesh=dp_mesh,
@@ -35,9 +37,10 @@ def apply_fsdp(
     for module in _present(model, plan.head):
         fully_shard(module, reshard_after_forward=reshard_after_forward, **shard)
     for block in getattr(model, plan.blocks).values():
-        if expert_mesh is not None:
-            for experts in plan.experts(block):
-                fully_shard(experts, reshard_after_forward=reshard_after_forward, **(shard | {"mesh": expert_mesh}))
+        for mesh, units in ((expert_mesh, plan.experts), (moe_mesh, plan.moe_layers)):
+            if mesh is not None:
+                for unit in units(block):
+                    fully_shard(unit, reshard_after_forward=reshard_after_forward, **(shard | {"mesh": mesh}))
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     # The tail (the output) is used again right at the start of backward: by default keep it gathered.
     tail = _present(model, plan.tail)

@@ -3,7 +3,8 @@
     converters (float8) -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> FSDP
 
 Context parallel changes no module (it is a per-step context, parallel/context.py) beyond telling
-MoE layers to sum their per-sequence counts over cp; pipeline stages are split before this.
+MoE layers to sum their per-sequence counts over the ranks that share a sequence (cp, and tp under
+sequence parallel); pipeline stages are split before this.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def parallelize(
 
     if dims.ep_enabled:
         apply_ep(model, plan, dims.get_mesh("ep"))
-    if dims.cp_enabled:
-        share_sequence_counts(model, plan, dims.get_mesh("cp"))
+    if dims.cp_enabled or dims.tp_enabled:
+        share_sequence_counts(model, plan, dims.get_mesh("sequence"))
 
     ac = config.activation_checkpoint
     if ac.mode != "none":
@@ -78,7 +79,9 @@ def parallelize(
     # FSDP also carries mixed precision and CPU offload, so a single device gets those too.
     t = config.training
     offload = t.enable_cpu_offload and device_type == "cuda"  # on CPU the parameters live in host memory already
-    if dims.dp_enabled or dims.cp_enabled or dtype != DTYPES[t.dtype] or offload:
+    # MoE layers under TP see each tp rank's own tokens: FSDP sums their gradients over tp as well.
+    moe_under_tp = dims.tp_enabled and bool(plan.moe_layers(model))
+    if dims.dp_enabled or dims.cp_enabled or dtype != DTYPES[t.dtype] or offload or moe_under_tp:
         reshard = {"default": not dims.pp_enabled, "always": True, "never": False}[p.fsdp_reshard_after_forward]
         for converter in converters:
             converter.before_fsdp(model)
@@ -92,6 +95,7 @@ def parallelize(
             reshard_output_after_forward=p.fsdp_reshard_after_forward == "always",
             cpu_offload=offload,
             expert_mesh=data_parallel_mesh(dims, "efsdp") if dims.ep_enabled else None,
+            moe_mesh=data_parallel_mesh(dims, "moe_fsdp") if moe_under_tp else None,
         )
     return model
 
