@@ -17,7 +17,7 @@ import sys
 from dataclasses import fields
 
 from titanlite.hardware import GPUS, find_gpu
-from titanlite.models.args import LLAMA3_FLAVORS, ModelArgs
+from titanlite.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
 from titanlite.planner import GIB, Layout, breakdown, estimate, explain, plan
 
 
@@ -29,7 +29,8 @@ def gpt(dim: int, layers: int, heads: int) -> ModelArgs:
                      ffn_dim_multiplier=None)
 
 
-L3 = LLAMA3_FLAVORS
+L3, MOE = LLAMA3_FLAVORS, MOE_FLAVORS
+FLAVORS = {name: args for name, args in (L3 | MOE).items() if "debug" not in name}
 # (source, model, seq, global batch, GPU, layout, measured tokens/s per GPU or None, measured MFU or None)
 PUBLISHED = [
     ("TorchTitan 8B, 8 GPU, compile, SAC", L3["8B"], 8192, 16, "H100", Layout(dp_shard=8, microbatch=2, ac="op"), 6667, None),
@@ -52,6 +53,14 @@ PUBLISHED = [
      Layout(dp_replicate=48, tp=8, pp=2, microbatch=1, ac="op"), None, 0.42),
     ("Megatron GPT 177B, TP8 PP6 DP48", gpt(12288, 96, 96), 4096, 1152, "H100",
      Layout(dp_replicate=48, tp=8, pp=6, microbatch=1, ac="op"), None, 0.44),
+    # Mixture of experts, Megatron stack (NeMo Automodel, Megatron-Bridge 26.04.01, Megatron-LM recipes), with
+    # force-balanced routing as those benchmarks state; sequence 4096.
+    ("Automodel Qwen3-30B-A3B, 8 GPU FSDP8 EP8", MOE["qwen3_30b_a3b"], 4096, 512, "H100",
+     Layout(dp_shard=8, ep=8, microbatch=4, ac="none"), 12040, None),
+    ("Megatron-Bridge Qwen3-30B-A3B, 16 GPU EP16, fp8", MOE["qwen3_30b_a3b"], 4096, 1024, "H100",
+     Layout(dp_shard=16, ep=16, microbatch=1, ac="none", float8=True), 8960, None),
+    ("Megatron-Bridge Qwen3-235B-A22B, 256 GPU TP2 PP8 EP32, fp8", MOE["qwen3_235b_a22b"], 4096, 8192, "H100",
+     Layout(dp_shard=16, tp=2, pp=8, ep=32, microbatch=1, ac="none", float8=True), 1712, None),
 ]
 
 
@@ -83,7 +92,7 @@ def parse_layout(text: str) -> Layout:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=[f for f in LLAMA3_FLAVORS if "debug" not in f], default="8B")
+    parser.add_argument("--model", choices=list(FLAVORS), default="8B")
     parser.add_argument("--dims", help="dim,layers,heads,kv_heads instead of --model (ffn = Llama's rule)")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(g.name for g in GPUS)}")
@@ -107,7 +116,7 @@ def main() -> int:
         dim, layers, heads, kv = map(int, args.dims.split(","))
         model = ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=args.vocab)
     else:
-        model = LLAMA3_FLAVORS[args.model]
+        model = FLAVORS[args.model]
     global_batch = args.global_batch or 2 * args.gpus
     print(f"{args.model if not args.dims else args.dims}: {model.num_params() / 1e9:.1f}B params; {args.gpus} x {gpu.name} "
           f"({gpu.hbm_bytes / GIB:.0f} GiB); seq {args.seq_len}, global batch {global_batch} sequences")

@@ -88,3 +88,25 @@ def replace_dims(dim, layers, heads, kv_heads):
 
     return ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, vocab_size=50304, multiple_of=256,
                      ffn_dim_multiplier=None)
+
+
+def test_moe_is_priced_by_active_flops_and_expert_parallel_trades_gathers_for_all_to_all():
+    from titanlite.hardware import find_gpu
+    from titanlite.models.args import MOE_FLAVORS
+    from titanlite.planner import GIB, Layout, candidate_layouts, estimate
+
+    model, gpu = MOE_FLAVORS["qwen3_30b_a3b"], find_gpu("H100")
+    fsdp = estimate(model, 4096, 64, gpu, Layout(dp_shard=8, ac="full"))
+    ep = estimate(model, 4096, 64, gpu, Layout(dp_shard=8, ep=8, ac="full"))
+    # 6 FLOPs per weight a token uses: its 8 of 128 experts (3.3B of 30.5B parameters).
+    assert fsdp.flops_per_gpu == model.flops_per_token(4096) * fsdp.tokens_per_gpu
+    assert model.flops_per_token(4096) < 6 * model.num_params(exclude_embedding=True) / 4
+    # The same states either way; EP gathers 1/8 of the experts and pays for all-to-alls instead.
+    assert ep.memory["states"] == fsdp.memory["states"]
+    assert ep.memory["gathered"] < fsdp.memory["gathered"] / 4
+    assert "ep all-to-all" in ep.time and "ep all-to-all" not in fsdp.time
+    assert ep.time["fsdp exposed"] < fsdp.time["fsdp exposed"]
+    # The planner ranks EP degrees: cp x tp times a divisor of dp_shard that divides the 128 experts.
+    eps = {layout.ep for layout in candidate_layouts(model, 4096, 64, gpu, 16) if layout.tp == 1 and layout.cp == 1}
+    assert eps == {1, 2, 4, 8, 16}
+    assert fsdp.memory_total / GIB > ep.memory_total / GIB

@@ -13,8 +13,14 @@ Memory per GPU (bytes):
 Step time: compute at an achievable fraction of peak, which falls as TP narrows the per-GPU matmuls
 (efficiency = max_efficiency * k / (k + 128), k = dim / tp), plus the communication that cannot
 hide behind compute: FSDP all-gathers/reduce-scatters beyond what overlaps, every TP collective
-(no async TP), the pipeline bubble, CP's ring exchange beyond the attention it overlaps, and HSDP's
-cross-replica all-reduce. Collectives are ring-costed at NVLink speed inside an NVLink domain and
+(no async TP), the pipeline bubble, CP's ring exchange beyond the attention it overlaps, HSDP's
+cross-replica all-reduce, and for MoE models expert parallel's all-to-alls (not overlapped).
+
+Mixture of experts: FLOPs count the active parameters (a token's top-k experts); the routed experts
+are sharded like every weight (over ep x efsdp = dp_shard x cp x tp) but gathered by FSDP over efsdp
+only, so a rank's working copy holds experts / ep of them; the MoE layer routes each tp rank's
+sequence shard (titanlite's MoE under TP), and the all-to-all moves top_k copies of each token's
+hidden state to its experts and back, forward and backward. Collectives are ring-costed at NVLink speed inside an NVLink domain and
 network speed across. The constants are stated here, not fitted per run; docs/planner.md compares
 the predictions with published runs.
 """
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from titanlite.hardware import GPU
-from titanlite.models.args import ModelArgs
+from titanlite.models.args import ModelArgs, MoEArgs
 
 GIB = 2**30
 MAX_EFFICIENCY = 0.55  # bf16 matmul-heavy training, compiled, at large matmul widths
@@ -42,6 +48,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel (MoE): borrows dp_shard x cp x tp, so it does not count in gpus
     microbatch: int = 1  # sequences per forward/backward on a rank
     ac: str = "none"  # none | op | full
     float8: bool = False
@@ -52,7 +59,7 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{name} {v}" for name, v in [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp),
-                                               ("pp", self.pp), ("cp", self.cp)] if v > 1] or ["1 GPU"]
+                                               ("pp", self.pp), ("cp", self.cp), ("ep", self.ep)] if v > 1] or ["1 GPU"]
         return ", ".join(parts) + f"; microbatch {self.microbatch}; AC {self.ac}" + ("; float8" if self.float8 else "")
 
 
@@ -96,19 +103,34 @@ def stage_params(model: ModelArgs, pp: int) -> float:
     return blocks * model.block_params + model.vocab_size * model.dim + model.dim
 
 
+def expert_params(model: ModelArgs) -> float:
+    """Routed-expert weights of one MoE block (0 for a dense model)."""
+    return 3 * model.dim * model.moe_hidden_dim * model.num_experts if isinstance(model, MoEArgs) else 0.0
+
+
 def block_activation_elements(model: ModelArgs, tokens: float, layout: Layout) -> float:
     """Elements autograd saves in one block for `tokens` local tokens (sequence parallel under TP)."""
     d, kv, f, tp = model.dim, model.kv_dim, model.ffn_hidden_dim, layout.tp
-    full = (
-        2 * d / tp  # the two norms' inputs (sequence-sharded)
-        + 2 * d  # the two norms' outputs, gathered: the inputs of wq/wk/wv and w1/w3
-        + (3 * d + 2 * kv) / tp  # q, k, v, attention output, wo's input
-        + 4 * f / tp  # w1 and w3 outputs, silu(w1), w2's input
-    )
+    q = model.n_heads * model.head_dim
     if layout.ac == "full":
         return tokens * d / tp  # the block input only
+    if isinstance(model, MoEArgs):
+        # Each tp rank routes tokens / tp tokens: k copies of the input, each expert's w1/w3 outputs,
+        # silu(w1) and w2's input, its output; the shared experts' SwiGLU; the router's scores.
+        routed = model.top_k * (2 * d + 4 * model.moe_hidden_dim)
+        ffn = (routed + 4 * model.num_shared_experts * model.moe_hidden_dim + model.num_experts) / tp
+        ffn_op = (model.top_k * (2 * d + 2 * model.moe_hidden_dim) + 2 * model.num_shared_experts * model.moe_hidden_dim) / tp
+    else:
+        ffn = d + 4 * f / tp  # the norm output, gathered: w1/w3's input; w1 and w3 outputs, silu(w1), w2's input
+        ffn_op = d + 2 * f / tp
+    full = (
+        2 * d / tp  # the two norms' inputs (sequence-sharded)
+        + d  # the attention norm's output, gathered: the input of wq/wk/wv
+        + (3 * q + 2 * kv) / tp  # q, k, v, attention output, wo's input
+        + ffn
+    )
     if layout.ac == "op":  # matmul and attention outputs; norms and elementwise ops are recomputed
-        return tokens * (d / tp + (2 * d + 2 * kv) / tp + 2 * d + 2 * f / tp)
+        return tokens * (d / tp + (q + q + 2 * kv) / tp + d + ffn_op)
     return tokens * full
 
 
@@ -129,7 +151,9 @@ def estimate(
     # Memory.
     est.memory["states"] = 16 * params / (L.tp * fsdp)
     gathered_blocks = blocks if L.pp > 1 else 2  # a pipeline stage keeps all its blocks gathered
-    est.memory["gathered"] = gathered_blocks * model.block_params / L.tp * (act_bytes + 4) if fsdp > 1 else 0.0
+    experts = expert_params(model)
+    gathered_block = (model.block_params - experts) / L.tp + experts / max(L.ep, L.tp)  # EP ranks gather their own experts
+    est.memory["gathered"] = gathered_blocks * gathered_block * (act_bytes + 4) if fsdp > 1 else 0.0
     in_flight = min(microbatches, L.pp)
     per_block = block_activation_elements(model, tokens, L) * act_bytes
     one_block = block_activation_elements(model, tokens, replace(L, ac="none")) * act_bytes
@@ -147,7 +171,7 @@ def estimate(
     k = min(model.dim, model.ffn_hidden_dim) / L.tp
     est.matmul_efficiency = MAX_EFFICIENCY * k / (k + K_HALF)
     rate = gpu.bf16_flops * est.matmul_efficiency
-    linear_share = 6 * model.num_params(exclude_embedding=True) / flops_per_token
+    linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
     if L.float8:
         linear_rate = gpu.fp8_flops * est.matmul_efficiency * FLOAT8_EFFICIENCY
         compute = est.flops_per_gpu * (linear_share / linear_rate + (1 - linear_share) / rate)
@@ -164,9 +188,17 @@ def estimate(
     # reduce-scatters fp32 gradients; a pipeline stage keeps its weights gathered across the step's
     # microbatches (gather once, reduce once), paid for in memory above.
     if fsdp > 1:
-        shard_bytes = params / L.tp * (1 if L.float8 else act_bytes)
-        per_step = shard_bytes + params / L.tp * 4 if L.pp > 1 else microbatches * (2 * shard_bytes + params / L.tp * 4)
-        comm = per_step * (fsdp - 1) / fsdp / link(L.tp * fsdp)
+        # Dense weights are gathered over fsdp; routed experts over efsdp = fsdp x tp / ep (per rank: experts / ep).
+        moe_layers = blocks * (1 if experts else 0)
+        dense, expert_part = params - moe_layers * experts, moe_layers * experts
+        efsdp = fsdp * L.tp // max(L.ep, L.tp) if experts else 1
+        comm = 0.0
+        # Float8 all-gathers move the dense linears' weights in 1 byte; the routed experts stay in high precision.
+        for weights, group, float8_gather in ((dense / L.tp, fsdp, L.float8), (expert_part / max(L.ep, L.tp), efsdp, False)):
+            if group > 1 and weights:
+                shard_bytes = weights * (1 if float8_gather else act_bytes)
+                per_step = shard_bytes + weights * 4 if L.pp > 1 else microbatches * (2 * shard_bytes + weights * 4)
+                comm += per_step * (group - 1) / group / link(L.tp * fsdp)
         est.time["fsdp exposed"] = max(comm - FSDP_OVERLAP * est.time["compute"], comm / max(blocks, 1))
     # TP with sequence parallel: per block, 2 all-gathers + 2 reduce-scatters forward, the same backward.
     if L.tp > 1:
@@ -183,6 +215,11 @@ def estimate(
         volume = microbatches * blocks * 3 * 2 * tokens * model.kv_dim / L.tp * act_bytes * (L.cp - 1)
         attention_share = 1 - linear_share
         est.time["cp exposed"] = max(0.0, volume / link(L.tp * L.cp) - attention_share * est.time["compute"])
+    # Expert parallel: every MoE layer sends top_k copies of each routed token out and back, in forward
+    # and again in backward (the tp ranks route their own sequence shards), with nothing to hide behind.
+    if experts and L.ep > 1:
+        volume = microbatches * blocks * 4 * tokens / L.tp * model.top_k * model.dim * act_bytes * (L.ep - 1) / L.ep
+        est.time["ep all-to-all"] = volume / link(L.ep)
     # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients, overlapping backward.
     if L.dp_replicate > 1:
         volume = 2 * 4 * params / (L.tp * fsdp) * (L.dp_replicate - 1) / L.dp_replicate
@@ -204,6 +241,7 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
     if gpu.fp8_flops == 0:
         float8_options = [False]
     layouts = []
+    experts = model.num_experts if isinstance(model, MoEArgs) else 1
     for tp, pp, cp in product(powers_of_two(min(gpu.nvlink_domain, model.n_kv_heads)), powers_of_two(16), powers_of_two(16)):
         if n_gpus % (tp * pp * cp) or (pp > 1 and model.n_layers < 2 * pp) or (cp > 1 and seq_len < 8192):
             continue
@@ -213,10 +251,14 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
             if global_batch % dp:
                 continue
             local_batch = global_batch // dp
-            for microbatch, ac, f8 in product(powers_of_two(local_batch), ("none", "op", "full"), float8_options):
+            # EP (MoE): cp x tp times a divisor of dp_shard that divides the experts.
+            dp_shard = dp // dp_replicate
+            eps = [1] + [cp * tp * d for d in powers_of_two(dp_shard) if cp * tp * d > 1 and experts % (cp * tp * d) == 0] \
+                if experts > 1 else [1]
+            for microbatch, ac, f8, ep in product(powers_of_two(local_batch), ("none", "op", "full"), float8_options, eps):
                 if local_batch % microbatch or (pp > 1 and local_batch // microbatch < pp):
                     continue
-                layouts.append(Layout(dp_replicate, dp // dp_replicate, tp, pp, cp, microbatch, ac, f8))
+                layouts.append(Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8))
     return layouts
 
 
@@ -245,7 +287,7 @@ def explain(fitting: list[Estimate], rejected: list[Estimate]) -> list[str]:
     best = fitting[0]
     lines = [f"best: {best.layout.describe()}: {best.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, "
              f"MFU {100 * best.mfu:.1f}%", f"  {breakdown(best)}"]
-    for changed in ("tp", "pp", "ac", "float8", "cp"):
+    for changed in ("tp", "pp", "ac", "float8", "cp", "ep"):
         rivals = [e for e in fitting[1:] if getattr(e.layout, changed) != getattr(best.layout, changed)]
         if not rivals:
             continue
