@@ -95,7 +95,6 @@ def test_schema_has_every_torchtitan_v0_2_2_key_with_its_default():
         (["--activation_checkpoint.mode", "memory_budget"], ["'memory_budget' is not implemented", "'selective' or 'full'"]),
         (["--parallelism.context_parallel_load_balancer", "ptrr"], ["'ptrr' is not implemented", "headtail"]),
         (["--comm.mode", "local_tensor"], ["'local_tensor' is not implemented", "fake_backend"]),
-        (["--parallelism.expert_tensor_parallel_degree", "2"], ["expert_tensor_parallel_degree=2", "routed experts are not split by tp"]),
     ],
 )
 def test_an_unimplemented_torchtitan_value_is_refused_in_one_line(args, words):

@@ -159,6 +159,12 @@ def test_bad_expert_parallel_layouts_are_refused():
         check_moe(args, dims("--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false", world=2))
     with pytest.raises(ConfigError, match="expert_parallel_degree=2 must be context_parallel_degree x tensor_parallel_degree=4"):
         dims("--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", world=4)
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_degree=2 must be 1 .* or tensor_parallel_degree=4"):
+        dims("--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", world=4)
+    # Experts split over tp: EP borrows dp_shard x cp only.
+    etp = dims("--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+               "--parallelism.expert_tensor_parallel_degree", "2", world=4)
+    assert (etp.dp_shard_in_ep, etp.efsdp, etp.expert_mesh_dims) == (2, 1, ("ep", "tp"))
     with pytest.raises(ConfigError, match="expert_parallel_degree=4 must be context_parallel_degree x tensor_parallel_degree=1 times a divisor of data_parallel_shard_degree=2"):
         dims("--parallelism.expert_parallel_degree", "4", world=2)
     with pytest.raises(ConfigError, match="expert_parallel_degree=2 must be context_parallel_degree x tensor_parallel_degree=4 times a divisor"):

@@ -311,7 +311,7 @@ CASES_8 = {
 
 MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
 MOE_SIGMOID_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe_sigmoid", "--model.moe_aux_loss_coeff", "0.01"]
-EP = "--parallelism.expert_parallel_degree"
+EP, ETP = "--parallelism.expert_parallel_degree", "--parallelism.expert_tensor_parallel_degree"
 # Mixture of experts (with a shared expert; or sigmoid routing without one, plus the aux loss): the
 # experts split over ranks borrowed from dp_shard and cp, composed with FSDP, HSDP, CP, PP and AC.
 CASES_MOE_2 = {
@@ -320,6 +320,8 @@ CASES_MOE_2 = {
     "moe_ep2_loop": MOE + [EP, "2", "--model.moe_grouped_mm", "false"],
     "moe_ep2_sigmoid_aux": MOE_SIGMOID_AUX + [EP, "2"],
     "moe_ep2_ac_full": MOE_SIGMOID_AUX + [EP, "2", "--activation_checkpoint.mode", "full"],
+    "moe_ep2_ac_selective_op": MOE + [EP, "2", "--activation_checkpoint.mode", "selective"],
+    "moe_pp2_dualpipev_aux": MOE_SIGMOID_AUX + PP + schedule("DualPipeV"),
     "moe_cp2_ep2": MOE + [CP, "2", EP, "2"],
     "moe_pp2_aux": MOE_SIGMOID_AUX + PP + schedule("1F1B"),
     "moe_pp2_zbv_aux": MOE_SIGMOID_AUX + PP + schedule("ZBVZeroBubble"),
@@ -330,6 +332,8 @@ CASES_MOE_2 = {
     # Tensor parallel: attention split by heads, each tp rank routing its sequence shard (EP borrows tp).
     "moe_tp2": MOE + [TP, "2"],
     "moe_ep2_tp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2"],
+    # Expert tensor parallel: each expert's hidden dim split over tp.
+    "moe_tp2_etp2_loop": MOE + [TP, "2", ETP, "2", "--model.moe_grouped_mm", "false"],
     "free_moe_ep2": MOE + [EP, "2"],
 }
 CASES_MOE_4 = {
@@ -339,6 +343,7 @@ CASES_MOE_4 = {
     "moe_pp2_ep2_aux": MOE_SIGMOID_AUX + PP + [EP, "2"],
     "moe_cp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", EP, "4"],
     "moe_fsdp2_tp2_aux": MOE_SIGMOID_AUX + [TP, "2"],
+    "moe_ep2_tp2_etp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2", ETP, "2"],
     "moe_ep2_fsdp2_tp2": MOE + [EP, "2", TP, "2"],
     # Under TP a MoE layer's float8 linears (shared experts) would scale by the tp rank's tokens, not
     # the whole sequence the reference sees: filtered here, so float8 covers the attention.

@@ -270,12 +270,12 @@ class Parallelism:
         "allgather", "how KV shards move around the cp ring", choices=("allgather", "alltoall")
     )
     expert_parallel_degree: int = opt(
-        1, "expert-parallel ranks (MoE models): the routed experts split over ranks borrowed from dp_shard x cp x tp"
+        1, "expert-parallel ranks (MoE models): the routed experts split over ranks borrowed from dp_shard x cp (x tp "
+        "when expert_tensor_parallel_degree is 1)"
     )
     expert_tensor_parallel_degree: int = opt(
-        1, "tensor parallel inside the routed experts",
-        not_implemented="titanlite's routed experts are not split by tp (TorchTitan's degree 1): under tensor parallel each "
-        "tp rank routes its own sequence shard, and expert_parallel_degree borrows the tp ranks",
+        1, "MoE under tensor parallel: 1 = routed experts whole (expert_parallel_degree borrows the tp ranks); "
+        "tensor_parallel_degree = each expert's hidden dim split over tp"
     )
     expert_parallel_comm_backend: str = opt(
         "standard", "EP all-to-all backend: standard (torch.distributed all-to-all)", choices=("standard", "deepep"),

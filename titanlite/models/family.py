@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 from titanlite.models.args import ModelArgs
@@ -47,3 +47,4 @@ class ParallelPlan:
     # over the data ranks outside EP) and the layers whose load balance the trainer updates.
     experts: Callable = lambda model: []  # model -> [nn.Module]
     moe_layers: Callable = lambda model: []  # model -> [titanlite.models.moe.MoE]
+    expert_hidden_dims: dict = field(default_factory=dict)  # experts' parameter -> the dim expert TP splits

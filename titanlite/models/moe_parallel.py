@@ -2,10 +2,12 @@
 feed-forward), plus the routed experts that expert parallel shards and the MoE layers whose load
 balance the trainer updates.
 
-Under tensor parallel (with sequence parallel) a MoE layer is not split: each tp rank routes the
-tokens of its own sequence shard, as a data rank would (TorchTitan's expert_tensor_parallel_degree
-= 1). The layer takes its input as the local shard, and FSDP shards its weights over `moe_fsdp`, which
-includes tp, so their gradients are summed over the tp ranks' tokens too.
+Under tensor parallel (with sequence parallel) each tp rank routes the tokens of its own sequence
+shard, as a data rank would: the layer takes its input as the local shard, and FSDP shards its
+router and shared experts over `moe_fsdp`, which includes tp, so their gradients are summed over
+the tp ranks' tokens too. The routed experts are whole on each rank (expert_tensor_parallel_degree
+= 1; expert parallel then borrows the tp ranks) or split over tp along their hidden dim
+(expert_tensor_parallel_degree = tp; parallel/expert.py).
 
 torch.compile takes a block's attention and a dense block's feed-forward; a MoE feed-forward runs
 eagerly, since its routing has data-dependent sizes (expert parallel's split sizes, the loop over
@@ -52,4 +54,5 @@ PLAN = ParallelPlan(
     hf=hf,  # Qwen3-MoE shapes, as Qwen3MoeForCausalLM
     experts=experts,
     moe_layers=moe_layers,
+    expert_hidden_dims={"w1": 2, "w3": 2, "w2": 1},  # (experts, dim, hidden) and (experts, hidden, dim)
 )

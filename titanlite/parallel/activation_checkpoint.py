@@ -1,8 +1,8 @@
 """Activation checkpointing: recompute activations in backward instead of keeping them.
 
   full                    every transformer block keeps only its input and reruns its forward
-  selective, option 'op'  per-op policy: keep the outputs of matmuls and attention (expensive to
-                          recompute), recompute the cheap elementwise ops and norms
+  selective, option 'op'  per-op policy: keep the outputs of matmuls (a MoE's grouped ones too) and
+                          attention (expensive to recompute), recompute the cheap elementwise ops and norms
   selective, option 'k'   fully checkpoint every k-th block (layer ids 0, k, 2k, ...)
 """
 
@@ -20,6 +20,7 @@ SAVED_OPS = {
     aten.mm.default,
     aten.addmm.default,
     aten.bmm.default,
+    aten._grouped_mm.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,

@@ -11,7 +11,8 @@ Derived (flattened) views:
              under tensor parallel (with sequence parallel) each tp rank routes its sequence shard
   moe_fsdp = dp_shard x cp x tp   where FSDP shards a MoE layer's own weights: tp ranks saw other tokens
   sequence = cp x tp   ranks that hold parts of the same sequences
-  ep       = dp_shard_in_ep x cp x tp   ranks that split the routed experts (expert_parallel_degree > 1)
+  ep       = dp_shard_in_ep x cp (x tp, unless expert TP splits the experts over tp)   ranks that
+             split the routed experts (expert_parallel_degree > 1)
   efsdp      the routing ranks outside EP: FSDP shards the routed experts over them (with dp_replicate: HSDP)
 Components ask `get_mesh(name)` instead of building groups of their own.
 The checks are plain Python so run_train.sh can run them before torchrun starts.
@@ -32,7 +33,7 @@ DERIVED = {
     "moe_fsdp": ("efsdp", "dp_shard_in_ep", "cp", "tp"),
     "sequence": ("cp", "tp"),
 }
-EXPERT_PARALLEL = ("dp_shard_in_ep", "cp", "tp")
+
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     sequence_parallel: bool = True  # under tp > 1: activations between blocks sharded along the sequence
+    etp: int = 1  # expert tensor parallel: 1 (experts whole) or tp (each expert's hidden dim split over tp)
     _meshes: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -71,7 +73,10 @@ class ParallelDims:
                 f"parallelism degrees (dp_shard={dp_shard} {layout}) multiply to {dp_shard * others}, "
                 f"not the world size {world_size}; set parallelism.data_parallel_shard_degree=-1 or fix the degrees"
             )
-        dims = cls(dp_replicate, dp_shard, cp, tp, pp, world_size, p.expert_parallel_degree, p.enable_sequence_parallel)
+        dims = cls(
+            dp_replicate, dp_shard, cp, tp, pp, world_size, p.expert_parallel_degree, p.enable_sequence_parallel,
+            p.expert_tensor_parallel_degree,
+        )
         dims.check_expert_parallel()
         t, v = config.training, config.validation
         dims.check_sequence("training.seq_len", t.seq_len)
@@ -86,22 +91,43 @@ class ParallelDims:
         return dims
 
     def check_expert_parallel(self) -> None:
-        """EP borrows all of cp and tp and part of dp_shard: ep = dp_shard_in_ep x cp x tp (TorchTitan's
-        expert_tensor_parallel_degree = 1: the routed experts are not split by tp)."""
-        ep, inner = self.ep, self.cp * self.tp
+        """EP borrows all of cp, part of dp_shard and, unless expert TP splits the experts over tp, tp:
+        ep = dp_shard_in_ep x cp (x tp). TorchTitan's two choices of expert_tensor_parallel_degree: 1 or tp."""
+        if self.etp not in (1, self.tp):
+            raise ConfigError(
+                f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 (experts whole; expert parallel "
+                f"borrows the tp ranks) or tensor_parallel_degree={self.tp} (each expert split over tp)"
+            )
+        ep, inner = self.ep, self.ep_inner
         key = f"parallelism.expert_parallel_degree={ep}"
         if ep < 1:
             raise ConfigError(f"{key} must be >= 1 (1 = no expert parallel)")
         if ep > 1 and (ep % inner or self.dp_shard % (ep // inner)):
+            borrowed = "context_parallel_degree x tensor_parallel_degree" if self.etp == 1 else "context_parallel_degree"
             raise ConfigError(
-                f"{key} must be context_parallel_degree x tensor_parallel_degree={inner} times a divisor of "
+                f"{key} must be {borrowed}={inner} times a divisor of "
                 f"data_parallel_shard_degree={self.dp_shard} (expert parallel borrows those ranks); choose one of "
                 f"{', '.join(str(inner * d) for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0)}"
             )
 
     @property
+    def ep_inner(self) -> int:
+        """The ranks EP takes whole: cp, and tp unless the experts are split over tp."""
+        return self.cp * (self.tp if self.etp == 1 else 1)
+
+    @property
+    def expert_parallel_dims(self) -> tuple[str, ...]:
+        return ("dp_shard_in_ep", "cp") + (("tp",) if self.etp == 1 else ())
+
+    @property
+    def expert_mesh_dims(self) -> tuple[str, ...] | None:
+        """The mesh ExpertParallel takes ("ep", "tp", or both), None when the experts are not split."""
+        dims = (("ep",) if self.ep > 1 else ()) + (("tp",) if self.etp > 1 else ())
+        return dims or None
+
+    @property
     def dp_shard_in_ep(self) -> int:
-        return self.ep // (self.cp * self.tp) if self.ep > 1 else 1
+        return self.ep // self.ep_inner if self.ep > 1 else 1
 
     @property
     def efsdp(self) -> int:
@@ -167,6 +193,8 @@ class ParallelDims:
     def describe(self) -> str:
         dims = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         return " x ".join(f"{n}={getattr(self, n)}" for n in dims) + (f", ep={self.ep}" if self.ep_enabled else "") + (
+            f", etp={self.etp}" if self.etp > 1 else ""
+        ) + (
             f" (world {self.world_size})"
         )
 
@@ -177,7 +205,7 @@ class ParallelDims:
         shape = tuple(getattr(self, n) for n in MESH_DIMS)
         world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self._meshes = {"world": world}
-        views = DERIVED | ({"ep": EXPERT_PARALLEL} if self.ep_enabled else {})
+        views = DERIVED | ({"ep": self.expert_parallel_dims} if self.ep_enabled else {})
         for name, dims in views.items():
             # Keep the handle _flatten returns: slicing flattened names from the root is deprecated.
             self._meshes[name] = world[dims]._flatten(name)

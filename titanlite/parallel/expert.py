@@ -1,9 +1,11 @@
 """Expert parallel: the routed experts of each MoE layer split over the `ep` ranks (a view that
-borrows dp_shard x cp, parallel/dims.py), and the tokens travel to the rank that holds their expert.
+borrows dp_shard x cp, and tp unless the experts are split by tp; parallel/dims.py), and the tokens
+travel to the rank that holds their expert. Expert tensor parallel splits each expert's hidden dim
+over tp as well.
 
 `ExpertParallel` is a ParallelStyle for the family's expert modules. Their weights become DTensors
-sharded over experts (Shard(0) on `ep`), so checkpoints hold the full tensors and load on any EP
-degree. Around each forward:
+sharded over experts (Shard(0) on `ep`; with ETP also Shard(hidden) on `tp`), so checkpoints hold
+the full tensors and load on any EP degree. Around each forward:
   dispatch  each rank sends its tokens' per-expert counts (all-to-all), then the tokens themselves
             (all-to-all with those variable splits), and groups what it received by local expert;
   combine   the outputs go back the same way, in reverse.
@@ -55,40 +57,81 @@ def segment_order(counts: torch.Tensor, total: int) -> torch.Tensor:
 
 class ExpertParallel(ParallelStyle):
     """For a module called as experts(tokens grouped by expert, counts per expert) that returns the
-    outputs in the same order, with weights of shape (experts, ...)."""
+    outputs in the same order, with weights of shape (experts, ...).
+
+    On a mesh with an "ep" dim the experts are split over it (Shard(0)) and tokens travel to their
+    expert's rank. On one with a "tp" dim each expert's hidden dim is split over it (`hidden_dims`:
+    parameter name -> that dim): every tp rank then runs its slice of the local experts on the
+    tokens of all tp ranks (gathered by all-to-all, since each tp rank routed its own sequence
+    shard), and the partial outputs go back to their tp rank, which sums them.
+    """
+
+    def __init__(self, hidden_dims: dict[str, int] | None = None):
+        super().__init__()
+        self.hidden_dims = hidden_dims or {}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._shard_experts, self._dispatch, self._combine)
+        names = device_mesh.mesh_dim_names
+        self.ep = device_mesh["ep"] if "ep" in names else None
+        self.tp = device_mesh["tp"] if "tp" in names else None
+        return distribute_module(module, device_mesh, self._shard, self._dispatch, self._combine)
 
-    @staticmethod
-    def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    def _shard(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for param_name, param in list(module.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None))
+            placements = ([Shard(0)] if self.ep else []) + ([Shard(self.hidden_dims[param_name])] if self.tp else [])
+            sharded = nn.Parameter(distribute_tensor(param, mesh, placements, src_data_rank=None))
             module.register_parameter(param_name, sharded)
 
-    @staticmethod
-    def _dispatch(module: nn.Module, inputs, mesh: DeviceMesh):
+    def _dispatch(self, module: nn.Module, inputs, mesh: DeviceMesh):
         tokens, counts = inputs
-        group, ranks = mesh.get_group(), mesh.size()
-        # received[src, e]: tokens rank src sends to this rank's local expert e.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
-        received = received.view(ranks, -1)
-        send = counts.view(ranks, -1).sum(dim=1).tolist()
-        receive = received.sum(dim=1).tolist()
-        arrived = _AllToAll.apply(tokens, receive, send, group)
-        # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
-        order = segment_order(received, sum(receive))
-        module._ep_state = (order, receive, send, group)
-        return arrived[order], received.sum(dim=0)
+        ep_state = tp_state = None
+        if self.ep:
+            tokens, counts, ep_state = exchange_over_ep(tokens, counts, self.ep.get_group(), self.ep.size())
+        if self.tp:
+            tokens, counts, tp_state = gather_over_tp(tokens, counts, self.tp.get_group(), self.tp.size())
+        module._ep_state = (ep_state, tp_state)
+        return tokens, counts
 
-    @staticmethod
-    def _combine(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        order, receive, send, group = module._ep_state
-        by_source = torch.empty_like(outputs).index_copy(0, order, outputs)
-        return _AllToAll.apply(by_source, send, receive, group)
+    def _combine(self, module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ep_state, tp_state = module._ep_state
+        if tp_state:
+            order, receive, rows, group, ranks = tp_state
+            by_source = torch.empty_like(outputs).index_copy(0, order, outputs)
+            outputs = _AllToAll.apply(by_source, [rows] * ranks, receive, group).view(ranks, rows, -1).sum(dim=0)
+        if ep_state:
+            order, receive, send, group = ep_state
+            by_source = torch.empty_like(outputs).index_copy(0, order, outputs)
+            outputs = _AllToAll.apply(by_source, send, receive, group)
+        return outputs
 
 
-def apply_ep(model: nn.Module, plan, ep_mesh: DeviceMesh) -> None:
+def exchange_over_ep(tokens: torch.Tensor, counts: torch.Tensor, group, ranks: int):
+    """Each token to the rank holding its expert: (tokens by local expert, counts per local expert, state)."""
+    # received[src, e]: tokens rank src sends to this rank's local expert e.
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(ranks, -1)
+    send = counts.view(ranks, -1).sum(dim=1).tolist()
+    receive = received.sum(dim=1).tolist()
+    arrived = _AllToAll.apply(tokens, receive, send, group)
+    # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
+    order = segment_order(received, sum(receive))
+    return arrived[order], received.sum(dim=0), (order, receive, send, group)
+
+
+def gather_over_tp(tokens: torch.Tensor, counts: torch.Tensor, group, ranks: int):
+    """Every tp rank's tokens for the local experts, grouped by expert (each rank sends all of its own
+    to every rank; backward sums the gradients its copies get back)."""
+    everyone = [torch.empty_like(counts) for _ in range(ranks)]
+    dist.all_gather(everyone, counts, group=group)
+    everyone = torch.stack(everyone)  # (tp source, local expert)
+    receive, rows = everyone.sum(dim=1).tolist(), tokens.shape[0]
+    arrived = _AllToAll.apply(tokens.repeat(ranks, 1), receive, [rows] * ranks, group)
+    order = segment_order(everyone, sum(receive))
+    return arrived[order], everyone.sum(dim=0), (order, receive, rows, group, ranks)
+
+
+def apply_ep(model: nn.Module, plan, mesh: DeviceMesh) -> None:
+    """`mesh`: ("ep",), ("tp",) or ("ep", "tp"), as ExpertParallel says."""
     for experts in plan.experts(model):
-        parallelize_module(experts, ep_mesh, ExpertParallel())
+        parallelize_module(experts, mesh, ExpertParallel(plan.expert_hidden_dims))

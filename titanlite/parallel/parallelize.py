@@ -63,8 +63,9 @@ def parallelize(
         if p.enable_async_tensor_parallel and device_type != "meta":
             enable_async_tp(dims.get_mesh("tp"), device_type)
 
-    if dims.ep_enabled:
-        apply_ep(model, plan, dims.get_mesh("ep"))
+    if dims.expert_mesh_dims:
+        mesh_dims = dims.expert_mesh_dims
+        apply_ep(model, plan, dims.get_mesh(mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]))
     if dims.cp_enabled or dims.tp_enabled:
         share_sequence_counts(model, plan, dims.get_mesh("sequence"))
 
@@ -94,7 +95,7 @@ def parallelize(
             reshard_after_forward=reshard,
             reshard_output_after_forward=p.fsdp_reshard_after_forward == "always",
             cpu_offload=offload,
-            expert_mesh=data_parallel_mesh(dims, "efsdp") if dims.ep_enabled else None,
+            expert_mesh=data_parallel_mesh(dims, "efsdp") if dims.expert_mesh_dims else None,
             moe_mesh=data_parallel_mesh(dims, "moe_fsdp") if moe_under_tp else None,
         )
     return model
