@@ -104,12 +104,9 @@ def from_hf_tensor(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) ->
     return f"layers.{layer}.{rest}", w
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
-    if isinstance(args, MoEArgs):
-        return qwen3_moe_config(args, dtype)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def transformer_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """The config.json keys Llama and Qwen3-MoE share."""
+    return {
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -122,10 +119,15 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
         "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    if isinstance(args, MoEArgs):
+        return qwen3_moe_config(args, dtype)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False} | transformer_config(args, dtype)
     if args.rope_scaling:
         config["rope_scaling"] = {
             "rope_type": "llama3",
@@ -154,27 +156,13 @@ def qwen3_moe_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
         "moe_intermediate_size": args.moe_hidden_dim,
         "num_experts": args.num_experts,
         "num_experts_per_tok": args.top_k,
         "norm_topk_prob": args.route_norm,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(args.n_dense_layers)),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    } | transformer_config(args, dtype)
 
 
 def save_hf(read, sizes: dict[str, int], args: ModelArgs, folder: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
