@@ -35,18 +35,20 @@ def expert_inputs(tokens=40, experts=4, dim=8, hidden=12, empty=(2,), seed=0):
     counts = torch.randint(1, 2 * tokens // experts, (experts,), generator=gen)
     counts[list(empty)] = 0  # an expert no token chose
     x = torch.randn(int(counts.sum()), dim, generator=gen, requires_grad=True)
-    weights = [torch.randn(experts, *shape, generator=gen, requires_grad=True) for shape in ((dim, hidden), (hidden, dim), (dim, hidden))]
+    # Stored (experts, out, in) as the model holds them; used as (experts, in, out) column-major views.
+    weights = [torch.randn(experts, *shape, generator=gen, requires_grad=True) for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
     return x, counts, weights
 
 
 @pytest.mark.parametrize("align", [1, 16])  # 16: CUDA's padded groups, run on CPU
 def test_grouped_matmul_equals_the_loop_over_experts(align):
-    x, counts, (w1, w2, w3) = expert_inputs()
+    x, counts, weights = expert_inputs()
+    w1, w2, w3 = (w.transpose(-2, -1) for w in weights)
     grad_out = torch.randn(x.shape[0], w2.shape[-1])
     results = []
     for run in (lambda: looped_swiglu(x, counts, w1, w2, w3), lambda: grouped_swiglu(x, counts, w1, w2, w3, align=align)):
         out = run()
-        grads = torch.autograd.grad(out, (x, w1, w2, w3), grad_out)
+        grads = torch.autograd.grad(out, (x, *weights), grad_out)
         results.append((out, *grads))
     for loop, grouped in zip(*results):
         torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,7 @@ Llama 3 as LlamaForCausalLM; the MoE family's Qwen3-MoE shapes as Qwen3MoeForCau
 
 titanlite (like Meta's Llama) rotates consecutive pairs of each head for RoPE; Hugging Face's
 models rotate the two halves. The q and k projections (and Qwen3's q/k head norms) are permuted
-accordingly. Routed experts are one (experts, in, out) tensor per projection here and one
+accordingly. Routed experts are one (experts, out, in) tensor per projection here and one
 Linear weight per expert there (the Hub's layout, which transformers merges on load).
 """
 
@@ -78,7 +78,7 @@ def to_hf_tensors(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> 
         return []
     if match := EXPERTS.match(rest):
         projection = EXPERT_NAMES[match.group(1)]
-        return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", w[e].t()) for e in range(w.shape[0])]
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", w[e]) for e in range(w.shape[0])]
     if heads := rotary_heads(rest, n_heads, n_kv_heads):
         w = pairs_to_halves(w, heads)
     return [(f"model.layers.{layer}.{LAYER_NAMES[rest]}", w)]
@@ -87,7 +87,7 @@ def to_hf_tensors(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> 
 def from_hf_tensor(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[str, torch.Tensor] | None:
     """(titanlite name, tensor in its layout) of one Hugging Face tensor; None for tensors titanlite
     has no parameter for (e.g. rotary inv_freq buffers of old exports). One expert's weight comes
-    back as (name of the experts' tensor, expert index, its (in, out) slice)."""
+    back as (name of the experts' tensor, (expert index, its slice))."""
     if name in HF_TOP_NAMES:
         return HF_TOP_NAMES[name], w
     match = HF_LAYER.match(name)
@@ -95,7 +95,7 @@ def from_hf_tensor(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) ->
         return None
     layer, rest = match.groups()
     if expert := HF_EXPERT.match(rest):
-        return f"layers.{layer}.feed_forward.experts.{HF_EXPERT_NAMES[expert.group(2)]}", (int(expert.group(1)), w.t())
+        return f"layers.{layer}.feed_forward.experts.{HF_EXPERT_NAMES[expert.group(2)]}", (int(expert.group(1)), w)
     if rest not in HF_LAYER_NAMES:
         return None
     rest = HF_LAYER_NAMES[rest]

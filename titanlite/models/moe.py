@@ -57,24 +57,26 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """`num_experts` SwiGLU experts as one (experts, in, out) weight per projection. Takes the tokens
-    grouped by expert and each expert's count; returns their outputs in the same order."""
+    """`num_experts` SwiGLU experts as one (experts, out, in) weight per projection (each expert's an
+    nn.Linear weight, as Hugging Face stores them). Takes the tokens grouped by expert and each
+    expert's count; returns their outputs in the same order."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool):
         super().__init__()
         self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (local_shard(w) for w in (self.w1, self.w2, self.w3))
+        # (experts, in, out) views, column-major: the layout CUDA's grouped GEMM takes its second operand in.
+        w1, w2, w3 = (local_shard(w).to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
         run = grouped_swiglu if self.use_grouped_mm else looped_swiglu
-        return run(x, counts, w1.to(x.dtype), w2.to(x.dtype), w3.to(x.dtype))
+        return run(x, counts, w1, w2, w3)
 
 
 def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """The exact reference: one matmul chain per expert."""
+    """The exact reference: one matmul chain per expert. Weights: (experts, in, out)."""
     outputs = [
         (F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e] for e, rows in enumerate(x.split(counts.tolist()))
     ]
@@ -86,7 +88,8 @@ CUDA_ROW_ALIGNMENT = 16
 
 
 def grouped_swiglu(x, counts, w1, w2, w3, align: int | None = None) -> torch.Tensor:
-    """All experts in three `torch._grouped_mm` calls, groups delimited by cumulative counts. Each
+    """All experts in three `torch._grouped_mm` calls (weights (experts, in, out)), groups delimited
+    by cumulative counts. Each
     group is padded with zero rows to `align` rows (default: CUDA's alignment on CUDA, none on CPU)
     into a buffer of a size fixed by the shapes, so no host sync; padded rows are dropped from the output."""
     align = align or (CUDA_ROW_ALIGNMENT if x.is_cuda else 1)

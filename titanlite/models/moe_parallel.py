@@ -54,5 +54,5 @@ PLAN = ParallelPlan(
     hf=hf,  # Qwen3-MoE shapes, as Qwen3MoeForCausalLM
     experts=experts,
     moe_layers=moe_layers,
-    expert_hidden_dims={"w1": 2, "w3": 2, "w2": 1},  # (experts, dim, hidden) and (experts, hidden, dim)
+    expert_hidden_dims={"w1": 1, "w3": 1, "w2": 2},  # (experts, hidden, dim) and (experts, dim, hidden)
 )
