@@ -53,8 +53,9 @@ PUBLISHED = [
      Layout(dp_replicate=48, tp=8, pp=2, microbatch=1, ac="op"), None, 0.42),
     ("Megatron GPT 177B, TP8 PP6 DP48", gpt(12288, 96, 96), 4096, 1152, "H100",
      Layout(dp_replicate=48, tp=8, pp=6, microbatch=1, ac="op"), None, 0.44),
-    # Mixture of experts, Megatron stack (NeMo Automodel, Megatron-Bridge 26.04.01, Megatron-LM recipes), with
-    # force-balanced routing as those benchmarks state; sequence 4096.
+    # Mixture of experts, sequence 4096, with force-balanced routing as these benchmarks state. Sources:
+    # NVIDIA-NeMo/Automodel docs/performance-summary.mdx (Qwen3 MoE 30B row) and NVIDIA-NeMo/Megatron-Bridge
+    # docs/performance-summary-archive.md, 26.04.01 container (DGX-H100 rows of Qwen3-30B-A3B and Qwen3-235B-A22B).
     ("Automodel Qwen3-30B-A3B, 8 GPU FSDP8 EP8", MOE["qwen3_30b_a3b"], 4096, 512, "H100",
      Layout(dp_shard=8, ep=8, microbatch=4, ac="none"), 12040, None),
     ("Megatron-Bridge Qwen3-30B-A3B, 16 GPU EP16, fp8", MOE["qwen3_30b_a3b"], 4096, 1024, "H100",

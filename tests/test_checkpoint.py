@@ -391,9 +391,10 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
     assert out.returncode == 0, out.stderr
 
     ours = MoETransformer(args)
-    missing, unexpected = ours.load_state_dict(read_model_weights(tmp_path / "dcp"), strict=False)
-    # Qwen3-MoE has no expert bias: ours stays at its initial zeros.
-    assert not unexpected and sorted(missing) == [f"layers.{i}.feed_forward.expert_bias" for i in range(1, 4)]
+    # Every entry of the model, the expert bias too: zero, as Qwen3-MoE routes without one.
+    imported = read_model_weights(tmp_path / "dcp")
+    ours.load_state_dict(imported)
+    assert all(not imported[f"layers.{i}.feed_forward.expert_bias"].any() for i in range(1, 4))
     ours.eval()
     tokens = torch.randint(0, 259, (2, 64))
     with torch.no_grad():
@@ -413,7 +414,14 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
     trained = transformers.Qwen3MoeForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
     from titanlite.hf import load_hf
 
-    ours.load_state_dict(load_hf(exported), strict=False)
+    ours.load_state_dict(load_hf(exported))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), trained(tokens).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(trained(tokens).logits, reference(tokens).logits)  # it is the trained model
+
+    # Training starts from the imported checkpoint as from the Hugging Face folder itself.
+    first = ["--model.name", "moe", "--model.flavor", "debugmoe_qwen3", "--training.steps", "1"]
+    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_dcp", *first, "--checkpoint.initial_load_path", str(tmp_path / "dcp")))
+    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
+                          "--checkpoint.initial_load_path", str(tmp_path / "hf")))
+    assert losses(tmp_path / "from_dcp") == losses(tmp_path / "from_hf")

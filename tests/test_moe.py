@@ -10,7 +10,7 @@ import torch
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import build_model, model_args
 from titanlite.models.args import MOE_FLAVORS, check_moe
-from titanlite.models.moe import MoE, MoETransformer, global_balance, grouped_swiglu, looped_swiglu, set_step, update_expert_bias
+from titanlite.models.moe import MoE, MoETransformer, global_balance, grouped_swiglu, looped_swiglu, set_batch, update_expert_bias
 from titanlite.parallel.dims import ParallelDims
 
 
@@ -91,23 +91,46 @@ def test_sequence_aux_loss_follows_deepseek_v3_and_trains_the_router():
     coeff, bsz, seq = 0.1, 2, 6
     layer = tiny_moe(aux_loss_coeff=coeff)
     x = torch.randn(bsz, seq, 16)
-    set_step([layer], torch.tensor(float(bsz * seq)), seq)
+    set_batch([layer], bsz, seq)
     layer(x).sum().backward()
-    # By hand: per sequence, sum_i f_i * P_i with f_i = E / (k S) * count_i and P_i the mean normalized score.
+    grad_with = layer.router.gate.weight.grad.clone()
+    # By hand: per sequence, sum_i f_i * P_i with f_i = E / (k S) * count_i and P_i the mean normalized
+    # score; the mean over the step's sequences.
+    layer.router.gate.weight.grad = None
     _, chosen, scores = layer.router(x.view(-1, 16), layer.expert_bias)
     expected = 0.0
     for b in range(bsz):
         rows = slice(b * seq, (b + 1) * seq)
         f = torch.bincount(chosen[rows].flatten(), minlength=8) * 8 / (2 * seq)
         p = (scores[rows] / scores[rows].sum(dim=-1, keepdim=True)).mean(dim=0)
-        expected += coeff * (f * p).sum() / bsz  # the mean over the step's sequences
+        expected = expected + coeff * (f * p).sum() / bsz
     assert layer.aux_loss_sum.item() == pytest.approx(expected.item(), rel=1e-5)
-    # The aux loss alone reaches the router: its gradient changes with the coefficient.
-    grad_with = layer.router.gate.weight.grad.clone()
-    layer.router.gate.weight.grad = None
+    # Its gradient is what reaches the router on top of the routed outputs' (same routing without it).
+    (aux_grad,) = torch.autograd.grad(expected, layer.router.gate.weight)
     layer.aux_loss_coeff = 0.0
     layer(x).sum().backward()
-    assert not torch.allclose(grad_with, layer.router.gate.weight.grad)
+    # (A difference of two gradients ~1000x larger: fp32 round-off of theirs, not of the aux's.)
+    torch.testing.assert_close(grad_with - layer.router.gate.weight.grad, aux_grad, rtol=0, atol=1e-5)
+    assert aux_grad.abs().max() > 1e-3
+
+
+def test_float8_leaves_the_router_in_high_precision():
+    from titanlite.converters import Float8Converter
+    from titanlite.float8 import Float8Linear
+    from titanlite.models import FAMILIES
+
+    model = build_model("moe", model_args("moe", "qwen3_30b_a3b", 0, 64, n_layers=2))  # gate 2048 x 128: eligible by shape
+    Float8Converter(parse_args(["--model.converters", "float8"])).convert(model, FAMILIES["moe"].plan)
+    float8 = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert "layers.0.attention.wq" in float8 and not any("router" in name for name in float8)
+
+
+def test_state_buffers_stay_float32_in_a_bfloat16_model():
+    model = MoETransformer(model_args("moe", "debugmoe", 256, 16)).to(torch.bfloat16)
+    model.init_weights(0)
+    layer = model.layers["1"].feed_forward
+    assert layer.router.gate.weight.dtype == torch.bfloat16
+    assert {b.dtype for b in (layer.expert_bias, layer.tokens_per_expert, layer.aux_loss_sum)} == {torch.float32}
 
 
 def test_tokens_are_counted_once_under_activation_checkpointing():
@@ -161,6 +184,11 @@ def test_bad_expert_parallel_layouts_are_refused():
         check_moe(args, dims("--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false", world=2))
     with pytest.raises(ConfigError, match="expert_parallel_degree=2 must be context_parallel_degree x tensor_parallel_degree=4"):
         dims("--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", world=4)
+    with pytest.raises(ConfigError, match="model.moe_aux_loss_coeff=0.1 applies to MoE models, and model.name='llama3' has no experts"):
+        parse_args(["--model.moe_aux_loss_coeff", "0.1"])
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_degree=2 splits the experts of a MoE model"):
+        check_llama3(LLAMA3_FLAVORS["debugmodel"], dims("--parallelism.expert_tensor_parallel_degree", "2",
+                                                        "--parallelism.tensor_parallel_degree", "2", world=2))
     with pytest.raises(ConfigError, match="expert_tensor_parallel_degree=2 must be 1 .* or tensor_parallel_degree=4"):
         dims("--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", world=4)
     # Experts split over tp: EP borrows dp_shard x cp only.

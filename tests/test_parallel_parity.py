@@ -66,7 +66,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.data.dataset import build_dataloader
     from titanlite.float8 import convert_to_float8
     from titanlite.models.llama import canonical_fqn
-    from titanlite.models.moe import global_balance, set_step, update_expert_bias
+    from titanlite.models.moe import global_balance, set_batch, update_expert_bias
     from titanlite.optim import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
     from titanlite.train import Trainer
@@ -80,8 +80,9 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     reference = trainer.plan.build(trainer.model_parts[0].args)
     reference.init_weights(trainer.seed)
     ref_moe = trainer.plan.moe_layers(reference)
+    set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len)
     if config.float8:
-        convert_to_float8(reference, float8_recipe(config.float8), config.float8.filter_fqns, config.float8.emulate)
+        convert_to_float8(reference, float8_recipe(config.float8), trainer.converters[0].filter_fqns(trainer.plan), config.float8.emulate)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
         reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
     )
@@ -108,7 +109,6 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             0, trainer.tokenizer.vocab_size, (trainer.accumulation_steps * rows_per_microbatch, t.seq_len + 1), generator=gen
         )
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        set_step(ref_moe, torch.tensor(labels.numel()), t.seq_len)
         # Microbatch i of data-parallel rank r takes rows [(i * dp + r) * B, ...): any split works,
         # the reference sees the whole global batch.
         microbatches = []
@@ -344,6 +344,7 @@ CASES_MOE_4 = {
     "moe_cp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", EP, "4"],
     "moe_fsdp2_tp2_aux": MOE_SIGMOID_AUX + [TP, "2"],
     "moe_ep2_tp2_etp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2", ETP, "2"],
+    "moe_cp2_tp2_etp2": MOE + [CP, "2", TP, "2", ETP, "2"],
     "moe_ep2_fsdp2_tp2": MOE + [EP, "2", TP, "2"],
     # Under TP a MoE layer's float8 linears (shared experts) would scale by the tp rank's tokens, not
     # the whole sequence the reference sees: filtered here, so float8 covers the attention.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titanlite.models import FAMILIES
+from titanlite.models.args import MoEArgs
 
 try:
     import tomllib
@@ -773,6 +774,14 @@ def validate(config: JobConfig) -> None:
         f"model.flavor='{config.model.flavor}' is not a flavor of model.name='{config.model.name}'; choose one of: "
         f"{', '.join(flavors)}",
     )
+    if not isinstance(flavors[config.model.flavor], MoEArgs):
+        for key in ("model.moe_grouped_mm", "model.moe_load_balance_coeff", "model.moe_aux_loss_coeff"):
+            value, default = get(config, key), _default(LEAVES[key][0])
+            _require(
+                value == default,
+                f"{key}={value!r} applies to MoE models, and model.name='{config.model.name}' has no experts; "
+                "remove it, or choose model.name='moe'",
+            )
     t, m, p, v, c = config.training, config.metrics, config.parallelism, config.validation, config.checkpoint
     for name, value in [
         ("training.local_batch_size", t.local_batch_size),

@@ -1,6 +1,6 @@
 """Model converters (`model.converters`): swap modules before any parallelism is applied.
 
-A converter changes the model in `convert`, may prepare it for FSDP (`before_fsdp`), may refresh
+A converter changes the model in `convert` (given the family's plan), may prepare it for FSDP (`before_fsdp`), may refresh
 state before each step (`before_step`), and describes itself in one log line. train.py and
 parallelize.py use this interface only; `float8` is the one converter today.
 """
@@ -21,8 +21,12 @@ class Float8Converter:
         self.settings = config.float8
         self.recipe = float8_recipe(self.settings)
 
-    def convert(self, model: nn.Module) -> None:
-        convert_to_float8(model, self.recipe, self.settings.filter_fqns, self.settings.emulate)
+    def convert(self, model: nn.Module, plan) -> None:
+        """filter_fqns, and what the family keeps in high precision (a MoE's router)."""
+        convert_to_float8(model, self.recipe, self.filter_fqns(plan), self.settings.emulate)
+
+    def filter_fqns(self, plan) -> list[str]:
+        return [*self.settings.filter_fqns, *plan.float8_excluded]
 
     def before_fsdp(self, model: nn.Module) -> None:
         if self.settings.enable_fsdp_float8_all_gather:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.models.args import ModelArgs, MoEArgs
+from titanlite.models.args import ModelArgs, MoEArgs, check_hf_exportable
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers writes by default (5 GB)
 
@@ -141,18 +141,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
 
 def qwen3_moe_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     """Qwen3MoeForCausalLM's config of a MoE flavor of its architecture (dense blocks as mlp_only_layers)."""
-    from titanlite.config import ConfigError
-
-    differences = [
-        (not args.qk_norm, "no q/k head norms"), (args.num_shared_experts, "shared experts"),
-        (args.score_func != "softmax", f"{args.score_func} scores"), (args.route_scale != 1.0, "a route scale"),
-        (args.rope_scaling, "Llama 3.1 RoPE scaling"),
-    ]
-    if found := [what for differs, what in differences if differs]:
-        raise ConfigError(
-            f"this MoE flavor has {', '.join(found)}, which Qwen3MoeForCausalLM (the Hugging Face architecture "
-            "titanlite exports MoE models as) does not; export a Qwen3-MoE flavor (qwen3_30b_a3b, qwen3_235b_a22b, debugmoe_qwen3)"
-        )
+    check_hf_exportable(args)
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -203,11 +192,15 @@ def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
         "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden_dim, "vocab_size": args.vocab_size,
     }
     if isinstance(args, MoEArgs):
-        expected |= {"num_experts": args.num_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden_dim}
+        expected |= {
+            "num_experts": args.num_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden_dim,
+            "head_dim": args.head_dim, "norm_topk_prob": args.route_norm, "mlp_only_layers": list(range(args.n_dense_layers)),
+        }
     for key, value in expected.items():
-        found = num_experts(config) if key == "num_experts" else config.get(
-            key, config["num_attention_heads"] if key == "num_key_value_heads" else None
-        )
+        found = num_experts(config) if key == "num_experts" else config.get(key)
+        if found is None:  # keys a config may leave out (or set null)
+            found = {"num_key_value_heads": config["num_attention_heads"], "mlp_only_layers": [],
+                     "head_dim": config["hidden_size"] // config["num_attention_heads"]}.get(key)
         if found != value:
             raise ConfigError(
                 f"Hugging Face checkpoint '{folder}' has {key}={found}, the model being trained {value}; choose the "
@@ -249,6 +242,11 @@ def iter_hf(folder: Path):
                 if len(gathered) == num_experts(config):
                     yield name, torch.stack([gathered[e] for e in range(len(gathered))])
                     del experts[name]
+    if num_experts(config):  # Qwen3-MoE routes without a bias: ours starts (and stays, for export) at zero
+        dense = set(config.get("mlp_only_layers") or [])
+        for layer in range(config["num_hidden_layers"]):
+            if layer not in dense:
+                yield f"layers.{layer}.feed_forward.expert_bias", torch.zeros(num_experts(config))
 
 
 def load_hf(folder: Path) -> dict:

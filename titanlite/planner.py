@@ -18,7 +18,8 @@ cross-replica all-reduce, and for MoE models expert parallel's all-to-alls (not 
 
 Mixture of experts: FLOPs count the active parameters (a token's top-k experts); the routed experts
 are sharded like every weight (over ep x efsdp = dp_shard x cp x tp) but gathered by FSDP over efsdp
-only, so a rank's working copy holds experts / ep of them; the MoE layer routes each tp rank's
+only, so a rank's working copy holds experts / ep of them (titanlite's expert TP degree 1: experts
+whole; float8 covers the dense linears, routed experts run in bf16); the MoE layer routes each tp rank's
 sequence shard (titanlite's MoE under TP), and the all-to-all moves top_k copies of each token's
 hidden state to its experts and back, forward and backward. Collectives are ring-costed at NVLink speed inside an NVLink domain and
 network speed across. The constants are stated here, not fitted per run; docs/planner.md compares
@@ -152,7 +153,7 @@ def estimate(
     est.memory["states"] = 16 * params / (L.tp * fsdp)
     gathered_blocks = blocks if L.pp > 1 else 2  # a pipeline stage keeps all its blocks gathered
     experts = expert_params(model)
-    gathered_block = (model.block_params - experts) / L.tp + experts / max(L.ep, L.tp)  # EP ranks gather their own experts
+    gathered_block = (model.block_params - experts) / L.tp + experts / L.ep  # EP ranks gather their own experts (whole)
     est.memory["gathered"] = gathered_blocks * gathered_block * (act_bytes + 4) if fsdp > 1 else 0.0
     in_flight = min(microbatches, L.pp)
     per_block = block_activation_elements(model, tokens, L) * act_bytes
@@ -172,9 +173,11 @@ def estimate(
     est.matmul_efficiency = MAX_EFFICIENCY * k / (k + K_HALF)
     rate = gpu.bf16_flops * est.matmul_efficiency
     linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
-    if L.float8:
+    if L.float8:  # the dense linears; routed experts stay in bf16
+        routed = 6 * model.top_k * experts / model.num_experts * model.n_layers if experts else 0.0
+        float8_share = linear_share - routed / flops_per_token
         linear_rate = gpu.fp8_flops * est.matmul_efficiency * FLOAT8_EFFICIENCY
-        compute = est.flops_per_gpu * (linear_share / linear_rate + (1 - linear_share) / rate)
+        compute = est.flops_per_gpu * (float8_share / linear_rate + (1 - float8_share) / rate)
     else:
         compute = est.flops_per_gpu / rate
     recompute_share = {"none": 0.0, "op": 0.03, "full": 1 / 3}[L.ac]  # a forward is ~1/3 of forward + backward
@@ -188,13 +191,14 @@ def estimate(
     # reduce-scatters fp32 gradients; a pipeline stage keeps its weights gathered across the step's
     # microbatches (gather once, reduce once), paid for in memory above.
     if fsdp > 1:
-        # Dense weights are gathered over fsdp; routed experts over efsdp = fsdp x tp / ep (per rank: experts / ep).
+        # Dense weights are gathered over fsdp; routed experts (whole, experts / ep per rank) over the
+        # routing ranks outside EP, fsdp x tp / ep.
         moe_layers = blocks * (1 if experts else 0)
         dense, expert_part = params - moe_layers * experts, moe_layers * experts
-        efsdp = fsdp * L.tp // max(L.ep, L.tp) if experts else 1
+        efsdp = fsdp * L.tp // L.ep if experts else 1
         comm = 0.0
         # Float8 all-gathers move the dense linears' weights in 1 byte; the routed experts stay in high precision.
-        for weights, group, float8_gather in ((dense / L.tp, fsdp, L.float8), (expert_part / max(L.ep, L.tp), efsdp, False)):
+        for weights, group, float8_gather in ((dense / L.tp, fsdp, L.float8), (expert_part / L.ep, efsdp, False)):
             if group > 1 and weights:
                 shard_bytes = weights * (1 if float8_gather else act_bytes)
                 per_step = shard_bytes + weights * 4 if L.pp > 1 else microbatches * (2 * shard_bytes + weights * 4)
@@ -253,8 +257,8 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
             local_batch = global_batch // dp
             # EP (MoE): cp x tp times a divisor of dp_shard that divides the experts.
             dp_shard = dp // dp_replicate
-            eps = [1] + [cp * tp * d for d in powers_of_two(dp_shard) if cp * tp * d > 1 and experts % (cp * tp * d) == 0] \
-                if experts > 1 else [1]
+            eps = [1] + [cp * tp * d for d in powers_of_two(dp_shard)
+                         if dp_shard % d == 0 and cp * tp * d > 1 and experts % (cp * tp * d) == 0] if experts > 1 else [1]
             for microbatch, ac, f8, ep in product(powers_of_two(local_batch), ("none", "op", "full"), float8_options, eps):
                 if local_batch % microbatch or (pp > 1 and local_batch // microbatch < pp):
                     continue

@@ -15,6 +15,7 @@ from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.data.sources import split_source
 from titanlite.data.tokenizer import tokenizer_file
 from titanlite.models import FAMILIES, model_args
+from titanlite.models.args import check_hf_exportable
 from titanlite.parallel.dims import ParallelDims
 
 
@@ -24,6 +25,8 @@ def check(config: JobConfig, world_size: int) -> None:
     family = FAMILIES[config.model.name]
     args = model_args(config.model.name, config.model.flavor, 0, t.seq_len, config.model.n_layers, config.model)
     family.check(args, dims)
+    if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
+        check_hf_exportable(args)
     dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
     if dims.pp_enabled:
         from titanlite.parallel.pipeline import plan_stages

@@ -32,7 +32,8 @@ from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
-from titanlite.models.moe import global_balance, set_step, update_expert_bias
+from titanlite.models.args import check_hf_exportable
+from titanlite.models.moe import global_balance, set_batch, update_expert_bias
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
@@ -160,6 +161,8 @@ class Trainer:
         )
         family = FAMILIES[config.model.name]
         family.check(args, self.dims)
+        if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
+            check_hf_exportable(args)  # before training, not when rank 0 converts the last checkpoint
         self.plan = family.plan
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ConfigError(
@@ -183,7 +186,7 @@ class Trainer:
                 print(part, flush=True)
         self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
         self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
-        self.balance: dict[str, float] = {}  # the last step's MoE load balance, for the log
+        self.balance: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's MoE counts and aux loss
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
         compile_loss = config.compile.enable and "loss" in config.compile.components
         self.cross_entropy = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
@@ -216,6 +219,7 @@ class Trainer:
         self.batch_group, self.loss_group = batch_mesh.get_group(), self.dims.get_mesh("loss").get_group()
         self.routing_group = self.dims.get_mesh("routing").get_group()  # MoE token counts: tp ranks route their own
         self.accumulation_steps = self.dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
+        set_batch(self.moe_layers, self.accumulation_steps * t.local_batch_size * self.dp_degree, t.seq_len)
         self.dataloader = build_dataloader(config, self.tokenizer, self.dp_rank, self.dp_degree)
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.metrics = MetricsLogger(
@@ -290,7 +294,6 @@ class Trainer:
         global_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         dist.all_reduce(global_tokens, group=self.batch_group)
         self.loss_scale = global_tokens
-        set_step(self.moe_layers, global_tokens, self.config.training.seq_len)
         self.before_step()
         loss = sum(self.forward(x, y, backward=True) for x, y in microbatches)
         return self.reduce_loss(loss).item()
@@ -325,15 +328,15 @@ class Trainer:
         return grad_norm
 
     def balance_experts(self, update_bias: bool) -> None:
-        """MoE: the step's tokens per expert and aux loss, summed over the data ranks (one all-reduce);
-        the expert bias moves towards balance (not after a skipped step). Keeps, for the log, the
-        busiest expert's load over the mean (worst layer of this stage) and the aux loss."""
+        """MoE: the step's tokens per expert and aux loss, summed over the ranks that routed different
+        tokens (one all-reduce); the expert bias moves towards balance (not after a skipped step).
+        The sums stay on the device for the log."""
         counts, aux = global_balance(self.moe_layers, self.routing_group)
         if not update_bias:
             counts.zero_()  # leaves the bias where it is
         update_expert_bias(self.moe_layers, counts)
-        if update_bias and counts.numel():
-            self.balance = {"moe_max_load": (counts.max(dim=1).values / counts.mean(dim=1)).max().item(), "moe_aux_loss": aux.item()}
+        if update_bias:
+            self.balance = counts, aux
 
     def skip_step(self, grad_norm: float) -> None:
         """A step whose gradients are not finite: the optimizer and lr schedule did not move."""
@@ -384,17 +387,20 @@ class Trainer:
         return (loss_sum / tokens).item()
 
     def stage_balance(self) -> dict[str, float] | None:
-        """A MoE's balance over all pipeline stages (each holds its own layers, maybe none): the worst
-        load and the summed aux loss (when on). Collective over pp: every rank calls it at log steps."""
+        """A MoE's balance at a log step: the busiest expert's tokens over the mean in the worst layer
+        of any pipeline stage (each holds its own layers, maybe none), and the summed aux loss (when
+        on). Collective over pp: every rank calls it."""
         if not self.is_moe:
             return None
-        load = torch.tensor(self.balance.get("moe_max_load", 0.0), device=self.device)
-        aux = torch.tensor(self.balance.get("moe_aux_loss", 0.0), device=self.device)
+        load, aux = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        if self.balance is not None and self.balance[0].numel():
+            counts = self.balance[0]
+            load = (counts.max(dim=1).values / counts.mean(dim=1)).max().float().to(self.device)
+            aux = self.balance[1].float().to(self.device)
         if self.pp_group is not None:
             dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.pp_group)
             dist.all_reduce(aux, group=self.pp_group)
-        balance = {"moe_max_load": load.item()}
-        return balance | ({"moe_aux_loss": aux.item()} if self.aux_loss_on else {})
+        return {"moe_max_load": load.item()} | ({"moe_aux_loss": aux.item()} if self.aux_loss_on else {})
 
     def shorten_collective_timeout(self) -> None:
         """comm.train_timeout_seconds for training's groups; the async checkpoint keeps its own."""

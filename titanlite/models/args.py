@@ -50,7 +50,7 @@ class ModelArgs:
 
     @property
     def block_params(self) -> int:
-        """One TransformerBlock (the dense one, where blocks differ)."""
+        """One TransformerBlock (the last one: a MoE block where blocks differ)."""
         return self.attention_params + self.feed_forward_params(self.n_layers - 1)
 
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
@@ -95,11 +95,12 @@ def check_llama3(args: ModelArgs, dims) -> None:
     by tp. `dims`: the layout (titanlite.parallel.dims.ParallelDims)."""
     from titanlite.config import ConfigError
 
-    if dims.ep > 1:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree={dims.ep} splits the experts of a MoE model, and this model has none; "
-            "set it to 1, or choose model.name='moe'"
-        )
+    for key, degree in (("expert_parallel_degree", dims.ep), ("expert_tensor_parallel_degree", dims.etp)):
+        if degree > 1:
+            raise ConfigError(
+                f"parallelism.{key}={degree} splits the experts of a MoE model, and this model has none; "
+                "set it to 1, or choose model.name='moe'"
+            )
     check_heads(args, dims.tp)
 
 
@@ -176,11 +177,13 @@ MOE_FLAVORS = {
         dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
         norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=768,
         route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
+        dense_hidden_dim=6144,  # config.json's intermediate_size (no block is dense)
     ),
     "qwen3_235b_a22b": MoEArgs(
         dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
         norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=1536,
         route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
+        dense_hidden_dim=12288,  # config.json's intermediate_size (no block is dense)
     ),
     "deepseek_moe_16b": MoEArgs(
         dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, vocab_size=102400, norm_eps=1e-6, rope_theta=10000.0,
@@ -199,6 +202,11 @@ def check_moe(args: MoEArgs, dims) -> None:
             "tensor parallel routes each tp rank's sequence shard; set parallelism.enable_sequence_parallel=true"
         )
     check_heads(args, dims.tp)
+    if dims.etp > 1 and args.moe_hidden_dim % dims.etp:
+        raise ConfigError(
+            f"parallelism.expert_tensor_parallel_degree={dims.etp} does not divide the experts' hidden size "
+            f"{args.moe_hidden_dim}; set it to 1"
+        )
     if args.num_experts % dims.ep:
         raise ConfigError(
             f"parallelism.expert_parallel_degree={dims.ep} does not divide the model's num_experts={args.num_experts}; "
@@ -211,3 +219,23 @@ def check_moe(args: MoEArgs, dims) -> None:
         )
     if args.score_func not in ("softmax", "sigmoid"):
         raise ConfigError(f"MoE score_func='{args.score_func}' is not softmax or sigmoid; choose one of them")
+
+
+def check_hf_exportable(args: ModelArgs) -> None:
+    """ConfigError, before any training, when the model has no Hugging Face architecture to export to:
+    a MoE flavor must have Qwen3-MoE's (and no expert bias, which Qwen3MoeForCausalLM lacks)."""
+    from titanlite.config import ConfigError
+
+    if not isinstance(args, MoEArgs):
+        return
+    differences = [
+        (not args.qk_norm, "no q/k head norms"), (args.num_shared_experts, "shared experts"),
+        (args.score_func != "softmax", f"{args.score_func} scores"), (args.route_scale != 1.0, "a route scale"),
+        (args.rope_scaling, "Llama 3.1 RoPE scaling"), (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"),
+    ]
+    if found := [what for differs, what in differences if differs]:
+        raise ConfigError(
+            f"this MoE model has {', '.join(found)}, which Qwen3MoeForCausalLM (the Hugging Face architecture "
+            "titanlite exports MoE models as) does not; export a Qwen3-MoE flavor (qwen3_30b_a3b, qwen3_235b_a22b, "
+            "debugmoe_qwen3) trained with model.moe_load_balance_coeff=0"
+        )

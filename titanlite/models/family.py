@@ -48,3 +48,4 @@ class ParallelPlan:
     experts: Callable = lambda model: []  # model -> [nn.Module]
     moe_layers: Callable = lambda model: []  # model -> [titanlite.models.moe.MoE]
     expert_hidden_dims: dict = field(default_factory=dict)  # experts' parameter -> the dim expert TP splits
+    float8_excluded: tuple[str, ...] = ()  # module names whose linears float8 leaves in high precision

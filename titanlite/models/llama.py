@@ -187,9 +187,5 @@ class Transformer(nn.Module):
             total -= self.tok_embeddings.weight.numel()
         return total
 
-    def active_params(self) -> int:
-        """The weights one token uses (all of them in a dense model)."""
-        return self.args.num_params(active=True)
-
     def flops_per_token(self, seq_len: int) -> int:
         return self.args.flops_per_token(seq_len)

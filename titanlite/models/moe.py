@@ -135,26 +135,30 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
-        # Set by the trainer each step: the aux loss is a mean over the step's sequences (aux_loss_scale
-        # = tokens per sequence / tokens in the step), and `sequence_len` is the full sequence length.
+        # Set by the trainer: the aux loss is a mean over the step's sequences, and `sequence_len` is
+        # the full sequence length (a rank may hold a shard of it).
         self.aux_loss_scale, self.sequence_len = 1.0, 0
         # Expert parallel sets this where a sequence is split over ranks (context / sequence parallel).
         self.reduce_sequence_counts = None
 
     def reset_state(self) -> None:
-        for buffer in (self.expert_bias, self.tokens_per_expert, self.aux_loss_sum):
-            buffer.zero_()
+        """Zero state in fp32 whatever the parameters' dtype (training.dtype = bfloat16 casts the whole
+        model): bf16 counts are not exact above 256 and a 1e-3 bias step vanishes next to 1."""
+        for name in ("expert_bias", "tokens_per_expert", "aux_loss_sum"):
+            setattr(self, name, torch.zeros_like(getattr(self, name), dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
         weights, chosen, scores = self.router(flat, self.expert_bias)
-        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
+        # scatter_add, not bincount: bincount reads its input's max on the host (a sync on CUDA).
+        choices = chosen.flatten()
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(0, choices, torch.ones_like(choices))
         if self.training and outside_backward():
             with torch.no_grad():
                 self.tokens_per_expert += counts
         # Token copies sorted by expert (stable: a token's copies keep their order), through the experts, back.
-        order = chosen.flatten().argsort(stable=True)
+        order = choices.argsort(stable=True)
         token = order // self.top_k
         routed = self.experts(flat[token], counts) * weights.flatten()[order].unsqueeze(-1).to(flat.dtype)
         out = torch.zeros_like(flat).index_add(0, token, routed)
@@ -201,9 +205,11 @@ def experts(model: nn.Module) -> list[nn.Module]:
     return [m.experts for m in moe_layers(model)]
 
 
-def set_step(layers: list[MoE], tokens_in_step: torch.Tensor, seq_len: int) -> None:
+def set_batch(layers: list[MoE], sequences_per_step: int, seq_len: int) -> None:
+    """The aux loss of each step is the mean over its `sequences_per_step` sequences (all ranks, all
+    microbatches) of `seq_len` tokens."""
     for layer in layers:
-        layer.aux_loss_scale, layer.sequence_len = seq_len / tokens_in_step, seq_len
+        layer.aux_loss_scale, layer.sequence_len = 1.0 / sequences_per_step, seq_len
 
 
 @torch.no_grad()
@@ -212,8 +218,9 @@ def global_balance(layers: list[MoE], group) -> tuple[torch.Tensor, torch.Tensor
     `group`, which route different tokens. One all-reduce."""
     if not layers:
         return torch.zeros(0, 0), torch.zeros(())
+    # float64: global counts stay exact past 2**24.
     flat = torch.cat([torch.stack([layer.tokens_per_expert for layer in layers]).flatten(),
-                      torch.stack([layer.aux_loss_sum for layer in layers])])
+                      torch.stack([layer.aux_loss_sum for layer in layers])]).double()
     if group is not None:
         dist.all_reduce(flat, group=group)
     n = len(layers) * layers[0].num_experts
@@ -228,7 +235,7 @@ def update_expert_bias(layers: list[MoE], counts: torch.Tensor) -> None:
     for layer, layer_counts in zip(layers, counts):
         if layer.load_balance_coeff:
             delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
-            layer.expert_bias += delta - delta.mean()
+            layer.expert_bias += (delta - delta.mean()).float()
         layer.tokens_per_expert.zero_()
         layer.aux_loss_sum.zero_()
 

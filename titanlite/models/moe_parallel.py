@@ -55,4 +55,5 @@ PLAN = ParallelPlan(
     experts=experts,
     moe_layers=moe_layers,
     expert_hidden_dims={"w1": 1, "w3": 1, "w2": 2},  # (experts, hidden, dim) and (experts, dim, hidden)
+    float8_excluded=("router.gate",),  # float8 scores would move which experts tokens go to (TorchTitan keeps it too)
 )

@@ -35,7 +35,6 @@ DERIVED = {
 }
 
 
-
 @dataclass
 class ParallelDims:
     dp_replicate: int
@@ -124,6 +123,13 @@ class ParallelDims:
         """The mesh ExpertParallel takes ("ep", "tp", or both), None when the experts are not split."""
         dims = (("ep",) if self.ep > 1 else ()) + (("tp",) if self.etp > 1 else ())
         return dims or None
+
+    @property
+    def expert_fsdp_dim(self) -> str:
+        """Where FSDP shards split experts: the routing ranks outside EP and expert TP. EP covers cp
+        (and tp unless expert TP does), so that is efsdp; without EP, experts split by tp alone
+        shard over dp_shard x cp."""
+        return "efsdp" if self.ep > 1 else "fsdp"
 
     @property
     def dp_shard_in_ep(self) -> int:

@@ -11,7 +11,7 @@ the full tensors and load on any EP degree. Around each forward:
   combine   the outputs go back the same way, in reverse.
 Both all-to-alls are differentiable (backward is the reverse exchange), and they are plain
 torch.distributed collectives, so they run on gloo. The split sizes must reach the host: dispatch
-costs one device-to-host copy per layer, as in TorchTitan and Megatron.
+costs one device-to-host copy per layer (two with expert TP), as in TorchTitan and Megatron.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def exchange_over_ep(tokens: torch.Tensor, counts: torch.Tensor, group, ranks: i
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     received = received.view(ranks, -1)
-    send = counts.view(ranks, -1).sum(dim=1).tolist()
-    receive = received.sum(dim=1).tolist()
+    sizes = torch.cat([counts.view(ranks, -1).sum(dim=1), received.sum(dim=1)]).tolist()  # one host sync
+    send, receive = sizes[:ranks], sizes[ranks:]
     arrived = _AllToAll.apply(tokens, receive, send, group)
     # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
     order = segment_order(received, sum(receive))

@@ -53,7 +53,7 @@ def parallelize(
     """`plan`: the model family's ParallelPlan (its TP plans and units); nothing here names a module."""
     p, f8 = config.parallelism, config.float8
     for converter in converters:
-        converter.convert(model)
+        converter.convert(model, plan)
 
     if dims.tp_enabled:
         apply_tp(
@@ -95,7 +95,7 @@ def parallelize(
             reshard_after_forward=reshard,
             reshard_output_after_forward=p.fsdp_reshard_after_forward == "always",
             cpu_offload=offload,
-            expert_mesh=data_parallel_mesh(dims, "efsdp") if dims.expert_mesh_dims else None,
+            expert_mesh=data_parallel_mesh(dims, dims.expert_fsdp_dim) if dims.expert_mesh_dims else None,
             moe_mesh=data_parallel_mesh(dims, "moe_fsdp") if moe_under_tp else None,
         )
     return model
