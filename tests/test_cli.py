@@ -44,16 +44,16 @@ def test_debug_moe_config_trains_on_two_expert_parallel_ranks(tmp_path):
     """CONFIG_FILE=train_configs/debug_moe.toml ./run_train.sh, as the README says, with the experts
     split over 2 ranks: the loss falls, and the load balance and aux loss reach every sink."""
     env = {**os.environ, "NGPU": "2", "CONFIG_FILE": "train_configs/debug_moe.toml", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    out = run_command(["./run_train.sh", "--parallelism.expert_parallel_degree", "2", "--training.steps", "40",
-                       "--metrics.log_freq", "10", "--validation.freq", "40", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env)
+    out = run_command(["./run_train.sh", "--parallelism.expert_parallel_degree", "2", "--training.steps", "30",
+                       "--metrics.log_freq", "10", "--validation.freq", "30", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ep=2 (world 2)" in out.stdout and "MoE: FLOPs, TFLOPS and MFU count the" in out.stdout
     train = [r for r in metrics(tmp_path) if "loss" in r]
-    assert [r["step"] for r in train] == [1, 10, 20, 30, 40]
+    assert [r["step"] for r in train] == [1, 10, 20, 30]
     assert train[-1]["loss"] < train[0]["loss"] - 1.5, train
     # The busiest expert's load over the mean, worst layer: 1 is balanced, 4 (experts / top_k) is one
     # expert taking every token. While the debug model's routers learn fast, a layer swings to 3.4 at
-    # times and the expert bias pulls it back (measured: 1.3, 1.4, 3.4, 2.7, 3.4).
+    # times and the expert bias pulls it back (measured: 1.3, 1.4, 3.4, 2.7).
     loads = [r["moe_max_load"] for r in train]
     assert all(1.0 <= load < 4.0 for load in loads) and sum(loads) / len(loads) < 3.0, loads
     assert all(0 < r["moe_aux_loss"] < 0.01 for r in train)
