@@ -94,7 +94,8 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
         (2, MOE + ["--parallelism.expert_parallel_degree", "4"], "must be context_parallel_degree x tensor_parallel_degree=1 times a divisor of"),
         (2, MOE + ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"],
          "set parallelism.enable_sequence_parallel=true"),
-        (1, MOE + ["--checkpoint.enable", "--checkpoint.last_save_in_hf"], "shared experts, an expert bias"),
+        (1, MOE + ["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "true"],
+         "shared experts, an expert bias"),
         # The run's inputs, checked before launch too.
         (1, ["--training.dataset", str(tmp_path / "missing.jsonl")], "missing.jsonl' matches no files"),
         (1, ["--model.hf_assets_path", str(tmp_path / "tokenizer.json")], "is not a tokenizer file or a folder with tokenizer.json"),
