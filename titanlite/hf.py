@@ -195,12 +195,13 @@ def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
         expected |= {
             "num_experts": args.num_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden_dim,
             "head_dim": args.head_dim, "norm_topk_prob": args.route_norm, "mlp_only_layers": list(range(args.n_dense_layers)),
+            "decoder_sparse_step": 1,  # every block from n_dense_layers on is a MoE block
         }
     for key, value in expected.items():
         found = num_experts(config) if key == "num_experts" else config.get(key)
         if found is None:  # keys a config may leave out (or set null)
-            found = {"num_key_value_heads": config["num_attention_heads"], "mlp_only_layers": [],
-                     "head_dim": config["hidden_size"] // config["num_attention_heads"]}.get(key)
+            found = {"num_key_value_heads": config["num_attention_heads"], "mlp_only_layers": [], "norm_topk_prob": False,
+                     "decoder_sparse_step": 1, "head_dim": config["hidden_size"] // config["num_attention_heads"]}.get(key)
         if found != value:
             raise ConfigError(
                 f"Hugging Face checkpoint '{folder}' has {key}={found}, the model being trained {value}; choose the "

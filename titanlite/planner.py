@@ -18,8 +18,8 @@ cross-replica all-reduce, and for MoE models expert parallel's all-to-alls (not 
 
 Mixture of experts: FLOPs count the active parameters (a token's top-k experts); the routed experts
 are sharded like every weight (over ep x efsdp = dp_shard x cp x tp) but gathered by FSDP over efsdp
-only, so a rank's working copy holds experts / ep of them (titanlite's expert TP degree 1: experts
-whole; float8 covers the dense linears, routed experts run in bf16); the MoE layer routes each tp rank's
+only, so a rank's working copy holds experts / ep of them (the planner models expert TP degree 1:
+experts whole; float8 covers the dense linears, routed experts run in bf16); the MoE layer routes each tp rank's
 sequence shard (titanlite's MoE under TP), and the all-to-all moves top_k copies of each token's
 hidden state to its experts and back, forward and backward. Collectives are ring-costed at NVLink speed inside an NVLink domain and
 network speed across. The constants are stated here, not fitted per run; docs/planner.md compares
@@ -174,7 +174,7 @@ def estimate(
     rate = gpu.bf16_flops * est.matmul_efficiency
     linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
     if L.float8:  # the dense linears; routed experts stay in bf16
-        routed = 6 * model.top_k * experts / model.num_experts * model.n_layers if experts else 0.0
+        routed = 6 * model.top_k * experts / model.num_experts * (model.n_layers - model.n_dense_layers) if experts else 0.0
         float8_share = linear_share - routed / flops_per_token
         linear_rate = gpu.fp8_flops * est.matmul_efficiency * FLOAT8_EFFICIENCY
         compute = est.flops_per_gpu * (float8_share / linear_rate + (1 - float8_share) / rate)

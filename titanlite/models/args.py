@@ -202,10 +202,10 @@ def check_moe(args: MoEArgs, dims) -> None:
             "tensor parallel routes each tp rank's sequence shard; set parallelism.enable_sequence_parallel=true"
         )
     check_heads(args, dims.tp)
-    if dims.etp > 1 and args.moe_hidden_dim % dims.etp:
+    if args.moe_hidden_dim % (8 * dims.etp):
         raise ConfigError(
-            f"parallelism.expert_tensor_parallel_degree={dims.etp} does not divide the experts' hidden size "
-            f"{args.moe_hidden_dim}; set it to 1"
+            f"the experts' hidden size {args.moe_hidden_dim} split over expert_tensor_parallel_degree={dims.etp} is not a "
+            "multiple of 8 (the grouped GEMM's rows must be 16-byte aligned); set parallelism.expert_tensor_parallel_degree=1"
         )
     if args.num_experts % dims.ep:
         raise ConfigError(

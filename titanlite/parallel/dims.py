@@ -13,7 +13,8 @@ Derived (flattened) views:
   sequence = cp x tp   ranks that hold parts of the same sequences
   ep       = dp_shard_in_ep x cp (x tp, unless expert TP splits the experts over tp)   ranks that
              split the routed experts (expert_parallel_degree > 1)
-  efsdp      the routing ranks outside EP: FSDP shards the routed experts over them (with dp_replicate: HSDP)
+  efsdp      the routing ranks outside EP: FSDP shards EP's experts over them (with dp_replicate: HSDP;
+             expert TP without EP shards over fsdp instead)
 Components ask `get_mesh(name)` instead of building groups of their own.
 The checks are plain Python so run_train.sh can run them before torchrun starts.
 """

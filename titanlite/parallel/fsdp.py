@@ -2,8 +2,8 @@
 as one unit (Llama: final norm + output) and the root.
 
 One mesh dim shards (FSDP), two dims replicate-and-shard (HSDP); a replicate dim with shard size 1
-is plain data parallel (DDP). Under expert parallel the family's routed experts are a unit of
-their own on `expert_mesh` (the data ranks outside EP), inside their block's unit; under tensor
+is plain data parallel (DDP). Split routed experts (expert parallel, expert TP) are a unit of
+their own on `expert_mesh` (the routing ranks that hold the same experts), inside their block's unit; under tensor
 parallel a MoE layer is one on `moe_mesh` (the data ranks and tp, whose ranks routed other tokens).
 The loss is divided by the global count of valid tokens, so FSDP's
 own averaging over ranks is turned off (gradient divide factor 1): gradients are summed.
