@@ -425,3 +425,11 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
     torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
                           "--checkpoint.initial_load_path", str(tmp_path / "hf")))
     assert losses(tmp_path / "from_dcp") == losses(tmp_path / "from_hf")
+
+    # Weights trained with an expert bias cannot go out as Qwen3-MoE: refused before training, on every rank.
+    biased = [*first, "--model.moe_load_balance_coeff", "0.01", "--checkpoint.enable", "--checkpoint.last_save_model_only", "false"]
+    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "biased", *biased))
+    export = [*first, "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "true",
+              "--checkpoint.initial_load_path", str(tmp_path / "biased" / "checkpoint" / "step-1")]
+    out = run_command([sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "export", *export)], cwd=REPO)
+    assert out.returncode == 2 and "the loaded model's expert bias is not zero" in out.stderr, out.stderr[-2000:]

@@ -434,6 +434,15 @@ class Trainer:
                 "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
             )
         resumed = self.checkpointer.load()
+        c = self.config.checkpoint
+        biased = any(bool(layer.expert_bias.any()) for layer in self.moe_layers)
+        # Asked of every rank (a pipeline stage may hold no MoE layer), so all stop here alike, not rank 0
+        # alone when it converts the final save.
+        if c.enable and c.last_save_in_hf and self.is_moe and not self.every_rank(not biased):
+            raise ConfigError(
+                "checkpoint.last_save_in_hf=true, but the loaded model's expert bias is not zero and Qwen3MoeForCausalLM "
+                "has none: the export would route differently; set checkpoint.last_save_in_hf=false"
+            )
         self.metrics.open(append=resumed)
         gc.disable()  # collect at fixed steps instead, so ranks don't stall at different times
         gc.collect()
