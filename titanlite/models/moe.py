@@ -10,8 +10,8 @@ Load balancing (DeepSeek-V3): an expert bias, added to the scores only when choo
 after each optimizer step towards balance (`update_expert_bias`, from the token counts of all data
 ranks), and an optional sequence-wise auxiliary loss. Both depend only on global counts, so they are
 the same under any layout. No parallel code lives here: expert parallel (parallel/expert.py) wraps
-`experts` with the all-to-all dispatch, and supplies `reduce_sequence_counts` where a sequence is
-split over ranks.
+`experts` with the all-to-all dispatch, and parallelize sets `reduce_sequence_counts` where a
+sequence is split over ranks (parallel/context.py).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class MoE(nn.Module):
         # Set by the trainer: the aux loss is a mean over the step's sequences, and `sequence_len` is
         # the full sequence length (a rank may hold a shard of it).
         self.aux_loss_scale, self.sequence_len = 1.0, 0
-        # Expert parallel sets this where a sequence is split over ranks (context / sequence parallel).
+        # parallelize sets this where a sequence is split over ranks (context / sequence parallel).
         self.reduce_sequence_counts = None
 
     def reset_state(self) -> None:

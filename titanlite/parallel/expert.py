@@ -96,13 +96,16 @@ class ExpertParallel(ParallelStyle):
         ep_state, tp_state = module._ep_state
         if tp_state:
             order, receive, rows, group, ranks = tp_state
-            by_source = torch.empty_like(outputs).index_copy(0, order, outputs)
-            outputs = _AllToAll.apply(by_source, [rows] * ranks, receive, group).view(ranks, rows, -1).sum(dim=0)
+            outputs = _AllToAll.apply(by_source(outputs, order), [rows] * ranks, receive, group).view(ranks, rows, -1).sum(dim=0)
         if ep_state:
             order, receive, send, group = ep_state
-            by_source = torch.empty_like(outputs).index_copy(0, order, outputs)
-            outputs = _AllToAll.apply(by_source, send, receive, group)
+            outputs = _AllToAll.apply(by_source(outputs, order), send, receive, group)
         return outputs
+
+
+def by_source(outputs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Undo dispatch's regrouping: rows back in the order they arrived in (by source rank)."""
+    return torch.empty_like(outputs).index_copy(0, order, outputs)
 
 
 def exchange_over_ep(tokens: torch.Tensor, counts: torch.Tensor, group, ranks: int):

@@ -40,8 +40,8 @@ def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
 
 
 def data_parallel_mesh(dims: ParallelDims, shard_dim: str = "fsdp"):
-    """FSDP's mesh: 1-D over `shard_dim`, or 2-D (dp_replicate, shard_dim) for HSDP and DDP. The
-    routed experts under expert parallel shard over efsdp, the data ranks outside EP."""
+    """FSDP's mesh: 1-D over `shard_dim`, or 2-D (dp_replicate, shard_dim) for HSDP and DDP. Besides
+    fsdp: efsdp (split routed experts), moe_fsdp (MoE layers under TP)."""
     if dims.dp_replicate > 1:
         return dims.get_mesh(("dp_replicate", shard_dim))
     return dims.get_mesh(shard_dim)
