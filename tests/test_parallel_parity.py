@@ -8,6 +8,11 @@ the loss, every gradient, the grad norm and the updated weights must agree to fp
 rank compares its own shards with the matching slices of the reference, without communication).
 Then both evaluate the same validation batches, which must give the same loss.
 
+With block-causal attention (document masks) the batches hold several documents per window, and
+the reference runs each document of each window on its own: the layout's packed windows must give
+the same losses and gradients as the documents alone (the 1-process packed run equals them too:
+tests/test_attention.py).
+
 Lockstep cases hand both optimizers the reference's gradients, so each step starts from equal
 weights and gradients are compared without drift. Free-running cases ("free_...") let the trainer
 clip and step on its own gradients for all steps, compared within the drift that fp32 round-off
@@ -65,6 +70,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.config import float8_recipe, parse_args
     from titanlite.data.dataset import build_dataloader
     from titanlite.float8 import convert_to_float8
+    from titanlite.models.attention import document_layout
     from titanlite.models.llama import canonical_fqn
     from titanlite.models.moe import global_balance, set_batch, update_expert_bias
     from titanlite.optim import lr_factor
@@ -102,12 +108,29 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     for name, p, ref in pairs:
         record("init", (local(p.detach()) - local_slice(ref.detach(), p)).abs().max().item(), name)
 
+    def reference_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Summed cross entropy of the reference; with document masks, of each document alone (but of
+        the packed windows where other tokens count: float8 scales by the batch, the aux loss by the window)."""
+        if not trainer.document_masking or config.float8 or trainer.aux_loss_on:
+            token_inputs = trainer.token_inputs(x) if trainer.document_masking else {}
+            return F.cross_entropy(reference(x, **token_inputs).flatten(0, 1), y.flatten(), reduction="sum")
+        document_ids, _ = document_layout(x, trainer.tokenizer.bos_id, reset_positions=False)
+        total = torch.zeros(())
+        for row, ids in enumerate(document_ids):
+            for document in ids.unique():
+                tokens = ids == document
+                total = total + F.cross_entropy(reference(x[row, tokens][None])[0], y[row, tokens], reduction="sum")
+        return total
+
     rows_per_microbatch = t.local_batch_size * trainer.dp_degree
     gen = torch.Generator().manual_seed(1234)
     for step in range(STEPS):
         tokens = torch.randint(
             0, trainer.tokenizer.vocab_size, (trainer.accumulation_steps * rows_per_microbatch, t.seq_len + 1), generator=gen
         )
+        if trainer.document_masking:  # documents start at 3 random places in each window
+            starts = torch.randint(0, t.seq_len, (len(tokens), 3), generator=gen)
+            tokens.scatter_(1, starts, trainer.tokenizer.bos_id)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         # Microbatch i of data-parallel rank r takes rows [(i * dp + r) * B, ...): any split works,
         # the reference sees the whole global batch.
@@ -119,10 +142,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
         # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
         rows = t.local_batch_size if config.float8 else len(inputs)
-        ref_loss = sum(
-            F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), reduction="sum")
-            for x, y in zip(inputs.split(rows), labels.split(rows))
-        ) / labels.numel()
+        ref_loss = sum(reference_loss(x, y) for x, y in zip(inputs.split(rows), labels.split(rows))) / labels.numel()
         ref_loss.backward()
         record("loss", abs(loss - ref_loss.item()), f"step {step}")
         for name, p, ref in pairs:
@@ -161,7 +181,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         loader = build_dataloader(config, trainer.tokenizer, 0, 1, split="validation")
         loss_sum = tokens = 0
         for _, (x, y) in zip(range(VALIDATION_STEPS * trainer.dp_degree), loader):
-            loss_sum += F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+            loss_sum += reference_loss(x, y).item()
             tokens += y.numel()
     record("validation", abs(val_loss - loss_sum / tokens), "validation")
 
@@ -351,6 +371,34 @@ CASES_MOE_4 = {
     "moe_ep4_tp2_float8": MOE + F8 + [EP, "4", TP, "2", "--quantize.linear.float8.filter_fqns", "output,shared_experts"],
     "moe_pp2_ep2_tp2": MOE + PP + [EP, "2", TP, "2"],
     "moe_cp2_tp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", TP, "2", EP, "4"],
+}
+
+BC = ["--model.attn_mask_type", "block_causal"]
+BC_RESET = BC + ["--model.reset_position_ids"]
+# Document masks (block-causal attention) against each document alone, on every layout: the mask
+# reaches every pipeline stage (and its microbatches), is shared by the tp ranks' heads, and under
+# context parallel each KV shard's document ids and positions travel around the ring with it.
+CASES_DOC_2 = {
+    "doc_fsdp2": BC,
+    "doc_fsdp2_reset_positions_grad_accumulation": BC_RESET + ["--training.global_batch_size", "8"],
+    "doc_tp2": BC + [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "doc_pp2_1f1b": BC + PP + schedule("1F1B"),
+    "doc_pp2_zbvzerobubble": BC_RESET + PP + schedule("ZBVZeroBubble"),
+    "doc_cp2_allgather_headtail": BC + [CP, "2", "--model.flavor", "debugmodel_gqa"],
+    "doc_cp2_alltoall_headtail": BC + [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "doc_cp2_alltoall_no_balance_reset_positions": BC_RESET + [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall",
+                                                              "--parallelism.context_parallel_load_balancer", "none"],
+    "doc_fsdp2_ac_selective_op": BC + ["--activation_checkpoint.mode", "selective"],
+    "doc_fsdp2_compile": BC + ["--compile.enable"],
+    "doc_fsdp2_float8": BC + F8,
+    "doc_moe_ep2": BC + MOE + [EP, "2"],
+}
+CASES_DOC_4 = {
+    "doc_cp4_alltoall_headtail": BC + [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "doc_cp2_tp2_ac_full": BC + [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa", "--activation_checkpoint.mode", "full"],
+    "doc_cp2_pp2": BC_RESET + [CP, "2"] + PP,
+    "doc_cp2_fsdp2_compile": BC + [CP, "2", "--compile.enable"],
+    "doc_moe_cp2_ep2_aux": BC + MOE_SIGMOID_AUX + [CP, "2", EP, "2"],
 }
 
 

@@ -140,6 +140,24 @@ class Model:
     moe_aux_loss_coeff: float | None = opt(
         None, "MoE sequence-wise balance loss coefficient; 0 = off; none = the flavor's", extension=True
     )
+    attn_mask_type: str | None = opt(
+        None,
+        "attention mask: 'causal' over the whole packed window, or 'block_causal' within each document (documents "
+        "start at the tokenizer's BOS); none = the flavor's (TorchTitan's *_flex_attn/_flex/_varlen flavors: block_causal)",
+        choices=(None, "causal", "block_causal"),
+        extension=True,
+    )
+    attn_type: str | None = opt(
+        None,
+        "attention kernel for block_causal: 'sdpa' (a boolean mask; exact anywhere) or 'flex' (FlexAttention, CUDA; "
+        "on CPU sdpa runs instead); 'varlen' runs on flex; none = the flavor's",
+        choices=(None, "sdpa", "flex", "varlen"),
+        extension=True,
+    )
+    reset_position_ids: bool = opt(
+        False, "RoPE positions restart at each document (needs attn_mask_type='block_causal'; Megatron's name)",
+        extension=True,
+    )
 
 
 @dataclass
@@ -265,7 +283,7 @@ class Parallelism:
         "headtail",
         "headtail: rank r holds sequence chunks r and 2cp-1-r, so causal attention work is even; none: contiguous chunks",
         choices=("headtail", "ptrr", None),
-        unsupported={"ptrr": "it balances FlexAttention masks, which titanlite does not use; use 'headtail'"},
+        unsupported={"ptrr": "it balances FlexAttention block masks by their work; use 'headtail' (exact with block_causal too)"},
     )
     context_parallel_rotate_method: str = opt(
         "allgather", "how KV shards move around the cp ring", choices=("allgather", "alltoall")
@@ -773,6 +791,12 @@ def validate(config: JobConfig) -> None:
         config.model.flavor in flavors,
         f"model.flavor='{config.model.flavor}' is not a flavor of model.name='{config.model.name}'; choose one of: "
         f"{', '.join(flavors)}",
+    )
+    mask_type = config.model.attn_mask_type or flavors[config.model.flavor].attn_mask_type
+    _require(
+        not config.model.reset_position_ids or mask_type == "block_causal",
+        f"model.reset_position_ids=true restarts RoPE positions at each document, but attention is {mask_type} over the "
+        "whole window; set model.attn_mask_type='block_causal', or reset_position_ids=false",
     )
     if not isinstance(flavors[config.model.flavor], MoEArgs):
         for key in ("model.moe_grouped_mm", "model.moe_load_balance_coeff", "model.moe_aux_loss_coeff"):

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
 from titanlite.models.args import check_hf_exportable
+from titanlite.models.attention import document_layout
 from titanlite.models.moe import global_balance, set_batch, update_expert_bias
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
@@ -159,6 +161,10 @@ class Trainer:
         args = model_args(
             config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
         )
+        if args.attn_type != "sdpa" and device.type != "cuda":
+            log_line(f"attention kernel {args.attn_type} needs CUDA (FlexAttention has no backward on {device.type}): the exact SDPA path runs")
+            args = replace(args, attn_type="sdpa")
+        self.document_masking = args.attn_mask_type == "block_causal"
         family = FAMILIES[config.model.name]
         family.check(args, self.dims)
         if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
@@ -235,24 +241,37 @@ class Trainer:
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
 
+    def token_inputs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's per-token keyword inputs (every pipeline stage gets them), from the whole
+        window: under block_causal each token's document id and position; under context parallel
+        its position (which RoPE rows its sequence shard takes)."""
+        if self.document_masking:
+            document_ids, positions = document_layout(inputs, self.tokenizer.bos_id, self.config.model.reset_position_ids)
+            return {"positions": positions, "document_ids": document_ids}
+        if self.dims.cp_enabled:
+            return {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)}
+        return {}
+
     @contextmanager
     def step_context(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """Loss parallel under TP; under CP, yields this rank's sequence shards of inputs and labels."""
+        """Yields (inputs, labels, the model's per-token keyword inputs); under CP this rank's sequence
+        shards of them. Loss parallel under TP."""
+        token_inputs = self.token_inputs(inputs)
         with ExitStack() as stack:
             if self.loss_parallel:
                 stack.enter_context(loss_parallel())
             if self.dims.cp_enabled:
                 p = self.config.parallelism
-                inputs, labels = stack.enter_context(
+                inputs, labels, *shards = stack.enter_context(
                     sequence_parallel_step(
                         self.dims.get_mesh("cp"),
-                        [inputs, labels],
-                        [buffer for part in self.model_parts for buffer in self.plan.cp_buffers(part)],
+                        [inputs, labels, *token_inputs.values()],
                         load_balance=p.context_parallel_load_balancer == "headtail",
                         rotate_method=p.context_parallel_rotate_method,
                     )
                 )
-            yield inputs, labels
+                token_inputs = dict(zip(token_inputs, shards))
+            yield inputs, labels, token_inputs
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return local_value(self.cross_entropy(logits, labels)) / self.loss_scale
@@ -260,9 +279,9 @@ class Trainer:
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
         """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last
         stage), with gradients accumulated when `backward`."""
-        with self.step_context(inputs, labels) as (inputs, labels):
+        with self.step_context(inputs, labels) as (inputs, labels, token_inputs):
             if self.pp_schedule is None:
-                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                loss = self.loss_fn(self.model_parts[0](inputs, **token_inputs), labels)
                 if backward:
                     loss.backward()
                 return loss.detach()
@@ -271,10 +290,10 @@ class Trainer:
             losses = [] if self.has_last_stage else None
             target = labels if self.has_last_stage else None
             if backward:
-                self.pp_schedule.step(*args, target=target, losses=losses)
+                self.pp_schedule.step(*args, target=target, losses=losses, **token_inputs)
             else:
                 with forward_only(self.pp_schedule):
-                    self.pp_schedule.eval(*args, target=target, losses=losses)
+                    self.pp_schedule.eval(*args, target=target, losses=losses, **token_inputs)
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:

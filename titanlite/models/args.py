@@ -22,6 +22,10 @@ class ModelArgs:
     depth_init: bool = True  # scale output projections' init std by depth
     head_dim_override: int = 0  # 0: dim / n_heads (Qwen3's heads are wider than that)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    # TorchTitan's names. block_causal: attention within each packed document (models/attention.py);
+    # attn_type: its kernel, sdpa or flex (varlen, TorchTitan's other one, runs on flex here).
+    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"
 
     @property
     def head_dim(self) -> int:
@@ -87,6 +91,21 @@ LLAMA3_FLAVORS = {
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.3),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.3),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.2),
+}
+
+
+
+
+def _block_causal(flavor: str, attn_type: str) -> ModelArgs:
+    return replace(LLAMA3_FLAVORS[flavor], attn_mask_type="block_causal", attn_type=attn_type)
+
+
+# TorchTitan's document-masked presets: the same shapes, block-causal attention on its kernels.
+LLAMA3_FLAVORS |= {
+    "debugmodel_flex_attn": _block_causal("debugmodel", "flex"),
+    "debugmodel_varlen_attn": _block_causal("debugmodel", "varlen"),
+    "8B_flex": _block_causal("8B", "flex"),
+    "8B_varlen": _block_causal("8B", "varlen"),
 }
 
 

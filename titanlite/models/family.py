@@ -41,7 +41,6 @@ class ParallelPlan:
     tp_plan: Callable  # (model, sequence_parallel, loss_parallel) -> {name: ParallelStyle} of head and tail
     block_tp_plan: Callable  # (block, sequence_parallel, float8_recipe or None) -> {name: ParallelStyle}
     compile_units: Callable  # (block, tp_enabled) -> the modules torch.compile wraps
-    cp_buffers: Callable  # model -> [(buffer, its sequence dim)] that context parallel shards with the inputs
     hf: ModuleType | None  # Hugging Face adapter: save_hf, iter_hf, read_hf_config, check_hf_shapes
     # Mixture of experts: the routed-expert modules (expert parallel shards them over experts, FSDP
     # over the data ranks outside EP) and the layers whose load balance the trainer updates.

@@ -1,4 +1,5 @@
-"""Llama 3 as a plain nn.Module: RoPE (theta + Llama 3.1 scaling), GQA, SwiGLU, RMSNorm, causal SDPA.
+"""Llama 3 as a plain nn.Module: RoPE (theta + Llama 3.1 scaling), GQA, SwiGLU, RMSNorm, attention
+causal over the window or within each packed document (models/attention.py).
 
 No parallel code lives here. Layers sit in an nn.ModuleDict keyed "0".."n-1" and the embedding,
 final norm and output may be None, so a pipeline stage is this model with modules removed and
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.args import ModelArgs
+from titanlite.models.attention import CoreAttention, DocumentMask, build_mask
 
 # Wrappers (activation checkpointing, torch.compile) insert these into parameter names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -47,10 +49,11 @@ def _llama31_scaled(freqs: torch.Tensor, factor=8.0, low_freq_factor=1.0, high_f
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x0, x1) of each head (Meta's layout). x: (b, s, h, d), rope: (s, d)."""
+    """Rotate consecutive pairs (x0, x1) of each head (Meta's layout). x: (b, s, h, d); rope: the
+    table's rows for each token, (b, s, d), or its first rows for positions 0.. (s', d)."""
     half = x.shape[-1] // 2
-    cos = rope[: x.shape[1], :half].view(1, x.shape[1], 1, half)
-    sin = rope[: x.shape[1], half:].view(1, x.shape[1], 1, half)
+    rows = rope.view(-1, x.shape[1], 1, rope.shape[-1]) if rope.dim() == 3 else rope[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    cos, sin = rows[..., :half], rows[..., half:]
     pairs = x.float().unflatten(-1, (half, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
@@ -68,8 +71,9 @@ class Attention(nn.Module):
         # Qwen3: each query and key head is RMS-normalized before RoPE.
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.inner_attention = CoreAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -78,9 +82,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        repeats = q.shape[2] // k.shape[2]  # GQA: share each kv head among `repeats` query heads
-        k, v = (t.repeat_interleave(repeats, dim=2) if repeats > 1 else t for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -106,8 +108,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = feed_forward or FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -125,10 +127,17 @@ class Transformer(nn.Module):
     def make_block(self, layer_id: int, args: ModelArgs) -> nn.Module:
         return TransformerBlock(layer_id, args)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens (b, s) (a later pipeline stage: the hidden states); `positions` (b, s) pick each
+        token's RoPE rows (default 0..s-1); with `document_ids` (b, s) attention stays within each
+        document (models/attention.py's document_layout gives both)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if positions is None else self.rope[positions]
+        mask = None if document_ids is None else build_mask(document_ids, positions, self.args.attn_type)
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,6 +1,6 @@
 """Llama 3's parallel plan (titanlite/models/family.py's ParallelPlan): the tensor-parallel plans as
-plain dicts of stock ParallelStyles, its FSDP / pipeline / AC / compile units, the buffer context
-parallel shards, and its Hugging Face adapter.
+plain dicts of stock ParallelStyles, its FSDP / pipeline / AC / compile units, and its Hugging Face
+adapter.
 
 TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise. With sequence parallel, activations between
 blocks are sharded along the sequence (Shard(1)): norms run on their shard, and each attention/FFN
@@ -37,8 +37,10 @@ def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = froz
         plan |= {
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            # The sequence shard is gathered before the projections; the RoPE table passes untouched.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            # The sequence shard is gathered before the projections; RoPE rows and the mask pass untouched.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
         }
     return plan | _float8_gathers(float8_inputs & {"attention"}, sequence_parallel)
 
@@ -98,11 +100,6 @@ def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
     return [inner.attention, inner.feed_forward] if tp_enabled else [block]
 
 
-def cp_buffers(model: nn.Module) -> list:
-    """The RoPE table is sharded along the sequence with the inputs."""
-    return [(model.rope, 0)]
-
-
 PLAN = ParallelPlan(
     build=Transformer,
     head=("tok_embeddings",),
@@ -113,6 +110,5 @@ PLAN = ParallelPlan(
         sequence_parallel, float8_gathered_inputs(block, float8_recipe)
     ),
     compile_units=compile_units,
-    cp_buffers=cp_buffers,
     hf=hf,
 )

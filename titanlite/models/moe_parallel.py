@@ -50,7 +50,6 @@ PLAN = ParallelPlan(
     tp_plan=llama_parallel.PLAN.tp_plan,
     block_tp_plan=block_plan,
     compile_units=compile_units,
-    cp_buffers=llama_parallel.cp_buffers,
     hf=hf,  # Qwen3-MoE shapes, as Qwen3MoeForCausalLM
     experts=experts,
     moe_layers=moe_layers,

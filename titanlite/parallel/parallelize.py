@@ -1,10 +1,12 @@
 """The one place where a plain model becomes a parallel one, in a fixed order you can read:
 
-    converters (float8) -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> FSDP
+    converters (float8) -> tensor parallel -> expert parallel -> context parallel -> activation
+    checkpointing -> compile -> FSDP
 
-Context parallel changes no module (it is a per-step context, parallel/context.py) beyond telling
-MoE layers to sum their per-sequence counts over the ranks that share a sequence (cp, and tp under
-sequence parallel); pipeline stages are split before this.
+Context parallel is mostly a per-step context (parallel/context.py); here it swaps the core
+attention for a ring (for document masks) and tells MoE layers to sum their per-sequence counts
+over the ranks that share a sequence (cp, and tp under sequence parallel). Pipeline stages are
+split before this.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titanlite.config import ConfigError, JobConfig, float8_recipe
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
-from titanlite.parallel.context import share_sequence_counts
+from titanlite.parallel.context import apply_cp, share_sequence_counts
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
@@ -66,6 +68,8 @@ def parallelize(
     if dims.expert_mesh_dims:
         mesh_dims = dims.expert_mesh_dims
         apply_ep(model, plan, dims.get_mesh(mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]))
+    if dims.cp_enabled:
+        apply_cp(model, dims.get_mesh("cp"), p.context_parallel_rotate_method)
     if dims.cp_enabled or dims.tp_enabled:
         share_sequence_counts(model, plan, dims.get_mesh("sequence"))
 

@@ -1,0 +1,96 @@
+"""Attention's core, softmax(q k^T / sqrt(d)) v, causal over the window or within its documents.
+
+The loader packs documents end to end, each starting with BOS. With `attn_mask_type =
+"block_causal"` a token attends only to the earlier tokens of its own document: the trainer
+derives each token's document id and position from the whole window (`document_layout`, before
+any sequence split), the model turns them into a `DocumentMask` once per forward, and every block
+applies it. The kernels:
+
+  sdpa  torch's SDPA: `is_causal`, or a boolean mask built from the document ids (exact on every
+        device; the CPU path the tests run)
+  flex  FlexAttention (CUDA): the block mask built once per forward, the kernel compiled
+
+Context parallel swaps each `CoreAttention` for a ring over the cp ranks (parallel/context.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTN_TYPES = ("sdpa", "flex", "varlen")  # TorchTitan's names; varlen runs on FlexAttention here
+MASK_TYPES = ("causal", "block_causal")
+
+
+def document_layout(tokens: torch.Tensor, bos_id: int, reset_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document ids, positions), each (batch, seq), of packed windows: a document starts at each BOS
+    (a window's first tokens may be the tail of an earlier one). Positions count from the window's
+    start, or with `reset_positions` from each document's (its first token is at 0, as if alone)."""
+    document_ids = (tokens == bos_id).cumsum(dim=1)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    if reset_positions:
+        # The position of each document's first token, carried forward over the document.
+        starts = torch.where(tokens == bos_id, positions, torch.zeros_like(positions)).cummax(dim=1).values
+        positions = positions - starts
+    return document_ids, positions.contiguous()
+
+
+@dataclass
+class DocumentMask:
+    """Query i may attend to key j when both lie in the same document and j is not after i. Within a
+    document positions grow with the window's order whether or not they restart at each document,
+    so (document id, position) decides both."""
+
+    document_ids: torch.Tensor  # (batch, seq)
+    positions: torch.Tensor  # (batch, seq)
+    block_mask: object = None  # FlexAttention's BlockMask, when that kernel runs
+
+    def allowed(self, kv_document_ids: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+        """(batch, 1, queries, keys) booleans against the keys with these ids and positions."""
+        same_document = self.document_ids[:, None, :, None] == kv_document_ids[:, None, None, :]
+        return same_document & (self.positions[:, None, :, None] >= kv_positions[:, None, None, :])
+
+
+class CoreAttention(nn.Module):
+    """q (batch, heads, seq, head_dim); k, v with n_kv_heads heads (GQA shares each among the query
+    heads in order). No parameters: swapping it (context parallel) leaves checkpoints unchanged."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
+        if mask is not None and mask.block_mask is not None:
+            flex_attention = compiled("flex_attention")
+            return flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        repeats = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(repeats, dim=1) if repeats > 1 else t for t in (k, v))
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed(mask.document_ids, mask.positions))
+
+
+def build_mask(document_ids: torch.Tensor, positions: torch.Tensor, attn_type: str) -> DocumentMask:
+    """The step's mask for one forward; FlexAttention's block mask is built here, once for all blocks."""
+    mask = DocumentMask(document_ids, positions)
+    if attn_type in ("flex", "varlen"):
+
+        def same_document_not_later(b, h, q, kv):
+            return (document_ids[b, q] == document_ids[b, kv]) & (positions[b, q] >= positions[b, kv])
+
+        batch, seq = document_ids.shape
+        create_block_mask = compiled("create_block_mask")
+        mask.block_mask = create_block_mask(same_document_not_later, batch, None, seq, seq, device=document_ids.device)
+    return mask
+
+
+_COMPILED: dict = {}
+
+
+def compiled(name: str):
+    """torch.nn.attention.flex_attention's function `name`, compiled once per process on first use
+    (uncompiled, FlexAttention materializes the whole score matrix)."""
+    if name not in _COMPILED:
+        from torch.nn.attention import flex_attention
+
+        _COMPILED[name] = torch.compile(getattr(flex_attention, name), dynamic=False)
+    return _COMPILED[name]
