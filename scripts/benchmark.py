@@ -3,6 +3,7 @@
     python scripts/benchmark.py --preset cpu            # debug shape: 1 rank, FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2;
                                                         # debug MoE: 1 rank, EP 2, EP 2 x FSDP 2
     python scripts/benchmark.py --preset gpu            # Llama 3 8B shape (8 blocks) on one GPU: bf16/float8, compile, AC;
+                                                        # block_causal on FlexAttention and on SDPA's mask;
                                                         # Qwen3-30B-A3B shape (4 blocks), bf16 + compile
     python scripts/benchmark.py --preset cpu --only 1rank fsdp2 --steps 30
 
@@ -46,6 +47,7 @@ TP, PP, CP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_par
 GPU_SHAPE = ["--model.flavor", "8B", "--model.n_layers", "8", "--training.seq_len", "8192", "--training.local_batch_size", "1",
              "--training.mixed_precision_param", "bfloat16"]
 COMPILE, FLOAT8 = ["--compile.enable"], ["--model.converters", "float8"]
+BLOCK_CAUSAL = ["--model.attn_mask_type", "block_causal", "--model.attn_type"]  # + the kernel
 # The debug MoE (8 experts, top 2, a shared expert) on the CPU shape; EP splits its experts.
 MOE, EP = ["--model.name", "moe", "--model.flavor", "debugmoe"], "--parallelism.expert_parallel_degree"
 # Qwen3-30B-A3B's block shape (128 experts, top 8, q/k norms) with 4 of its 48 blocks: one GPU.
@@ -71,6 +73,9 @@ PRESETS = {
         Run("float8_rowwise_compile", 1, COMPILE + FLOAT8 + ["--quantize.linear.float8.recipe_name", "rowwise"]),
         Run("bf16_compile_ac_op", 1, COMPILE + ["--activation_checkpoint.mode", "selective"]),
         Run("bf16_compile_ac_full", 1, COMPILE + ["--activation_checkpoint.mode", "full"]),
+        # Document masks at seq 8192, against bf16_compile (SDPA causal): FlexAttention, SDPA's boolean mask.
+        Run("bf16_compile_block_causal_flex", 1, COMPILE + BLOCK_CAUSAL + ["flex"]),
+        Run("bf16_compile_block_causal_sdpa", 1, COMPILE + BLOCK_CAUSAL + ["sdpa"]),
         Run("moe_qwen3_30b_a3b_bf16_compile", 1, GPU_MOE_SHAPE + COMPILE),
     ]),
     # A quick end-to-end check of this script (the tests run it).

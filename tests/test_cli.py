@@ -96,6 +96,8 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
          "set parallelism.enable_sequence_parallel=true"),
         (1, MOE + ["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "true"],
          "shared experts, an expert bias"),
+        (1, ["--model.reset_position_ids"], "set model.attn_mask_type='block_causal', or reset_position_ids=false"),
+        (1, ["--model.attn_mask_type", "document"], "choose from: none, causal, block_causal"),
         # The run's inputs, checked before launch too.
         (1, ["--training.dataset", str(tmp_path / "missing.jsonl")], "missing.jsonl' matches no files"),
         (1, ["--model.hf_assets_path", str(tmp_path / "tokenizer.json")], "is not a tokenizer file or a folder with tokenizer.json"),

@@ -396,7 +396,7 @@ CASES_DOC_2 = {
 CASES_DOC_4 = {
     "doc_cp4_alltoall_headtail": BC + [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall"],
     "doc_cp2_tp2_ac_full": BC + [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa", "--activation_checkpoint.mode", "full"],
-    "doc_cp2_pp2": BC_RESET + [CP, "2"] + PP,
+    "doc_cp2_pp2_ac_selective_op": BC_RESET + [CP, "2"] + PP + ["--activation_checkpoint.mode", "selective"],
     "doc_cp2_fsdp2_compile": BC + [CP, "2", "--compile.enable"],
     "doc_moe_cp2_ep2_aux": BC + MOE_SIGMOID_AUX + [CP, "2", EP, "2"],
 }
@@ -405,12 +405,12 @@ CASES_DOC_4 = {
 # One launch per world size: process start dominates on CPU.
 @pytest.mark.slow
 def test_parity_two_ranks(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2))
+    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2))
 
 
 @pytest.mark.slow
 def test_parity_four_ranks(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 4, str(corpus_jsonl), str(tmp_path), CASES_4 | CASES_CP4 | CASES_MOE_4))
+    check(run_distributed(run_cases, 4, str(corpus_jsonl), str(tmp_path), CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4))
 
 
 @pytest.mark.slow

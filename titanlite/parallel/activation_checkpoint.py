@@ -25,6 +25,7 @@ SAVED_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,  # block_causal on CUDA (models/attention.py)
 }
 
 

@@ -1,0 +1,176 @@
+"""Document-masked (block_causal) attention: the layout of packed windows, packed documents against
+each document alone, the FlexAttention path against SDPA, the context-parallel document ring
+against plain attention, and the run through the CLI. (Every parallel layout against the documents
+alone: test_parallel_parity.py's doc_* cases.)"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_distributed
+from helpers import tiny_args
+from test_cli import metrics, torchrun
+from titanlite.launch import curve_difference
+from titanlite.models import build_model, model_args
+from titanlite.models.attention import CoreAttention, build_mask, document_layout
+
+BOS = 1
+
+
+def test_document_layout_starts_a_document_at_each_bos():
+    tokens = torch.tensor([[5, BOS, 6, 7, BOS, 8], [BOS, 2, 3, 4, 5, 6]])
+    ids, positions = document_layout(tokens, BOS, reset_positions=False)
+    assert ids.tolist() == [[0, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1]]
+    assert positions.tolist() == [list(range(6))] * 2
+    # Restarted positions: each document's BOS at 0; a window's leading tail of a document counts from 0 too.
+    _, positions = document_layout(tokens, BOS, reset_positions=True)
+    assert positions.tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5]]
+
+
+def packed_windows(vocab: int, rows: int, seq_len: int, documents_per_row: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, vocab, (rows, seq_len + 1), generator=gen)
+    return tokens.scatter_(1, torch.randint(1, seq_len, (rows, documents_per_row), generator=gen), BOS)
+
+
+def small_model(attn_mask_type: str = "block_causal", flavor: str = "debugmodel_gqa"):
+    args = replace(model_args("llama3", flavor, 512, 128), n_layers=2, attn_mask_type=attn_mask_type)
+    model = build_model("llama3", args)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    return model
+
+
+@pytest.mark.parametrize("reset_positions", [False, True])
+def test_packed_documents_give_the_losses_and_gradients_of_each_document_alone(reset_positions):
+    """fp32, 1 process: every token's loss, and the gradient of the summed loss, equal those of its
+    document run on its own (RoPE is relative, so restarting positions changes only round-off)."""
+    model = small_model()
+    tokens = packed_windows(512, 2, 128, 4)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ids, positions = document_layout(x, BOS, reset_positions)
+    packed = F.cross_entropy(model(x, positions, ids).flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    packed.sum().backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    worst, documents = 0.0, 0
+    for row in range(len(x)):
+        for document in ids[row].unique():
+            alone = ids[row] == document
+            losses = F.cross_entropy(model(x[row, alone][None])[0], y[row, alone], reduction="none")
+            losses.sum().backward()
+            worst = max(worst, (losses - packed[row, alone]).abs().max().item())
+            documents += 1
+    assert documents >= 8 and worst < 1e-5, (documents, worst)
+    for name, p in model.named_parameters():
+        diff = ((p.grad - packed_grads[name]).abs().max() / p.grad.abs().max()).item()
+        assert diff < 1e-5, (name, diff)
+    # The mask matters: plain causal attention over the packed windows gives other losses.
+    causal = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    assert (causal - packed).abs().max() > 1e-2
+
+
+def test_flex_attention_path_matches_sdpa(monkeypatch):
+    """The FlexAttention path (block mask built once, GQA in the kernel) computes what the SDPA
+    boolean mask does. On CPU FlexAttention runs forward only and uncompiled; the GPU benchmark
+    script runs it compiled, with backward."""
+    from torch.nn.attention import flex_attention
+
+    from titanlite.models import attention
+
+    for name in ("flex_attention", "create_block_mask"):
+        monkeypatch.setitem(attention._COMPILED, name, getattr(flex_attention, name))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 128, 16, generator=gen)
+    k, v = torch.randn(2, 2, 128, 16, generator=gen), torch.randn(2, 2, 128, 16, generator=gen)
+    ids, positions = document_layout(packed_windows(512, 2, 127, 3), BOS, reset_positions=True)
+    sdpa = CoreAttention()(q, k, v, build_mask(ids, positions, "sdpa"))
+    flex_mask = build_mask(ids, positions, "flex")
+    assert flex_mask.block_mask is not None
+    flex = CoreAttention()(q, k, v, flex_mask)
+    assert (flex - sdpa).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
+def test_compiled_flex_attention_trains_like_sdpa_on_cuda():
+    """On a GPU: the compiled FlexAttention path, forward and backward, against SDPA's boolean mask."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 1024, 64, device="cuda", generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 1024, 64, device="cuda", generator=gen, requires_grad=True) for _ in range(2))
+    ids, positions = document_layout(packed_windows(512, 2, 1023, 5).cuda(), BOS, reset_positions=False)
+    results = []
+    for attn_type in ("sdpa", "flex"):
+        out = CoreAttention()(q, k, v, build_mask(ids, positions, attn_type))
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        results.append((out, *grads))
+    for sdpa, flex in zip(*results):
+        assert ((flex - sdpa).abs().max() / sdpa.abs().max()).item() < 1e-3
+
+
+def ring_against_plain_attention(rotate_method: str) -> float:
+    """This cp rank's shard of q, k, v (rows of a random permutation of the sequence, as any load
+    balancer might assign) through the document ring, against masked SDPA over the whole sequence:
+    the worst relative difference of the output and of the q, k, v gradients."""
+    import torch.distributed as dist
+
+    from titanlite.parallel.context import RingAttention
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    seq = 8 * n
+    q = torch.randn(2, 4, seq, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, seq, 8, generator=gen, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(2, 4, seq, 8, generator=gen)
+    ids, positions = document_layout(packed_windows(512, 2, seq - 1, 3, seed=1)[:, :seq], BOS, reset_positions=False)
+    full = CoreAttention()(q, k, v, build_mask(ids, positions, "sdpa"))
+    full.backward(grad_out)
+
+    mine = torch.randperm(seq, generator=gen).view(n, -1)[rank]
+    shard = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    out = RingAttention(dist.group.WORLD, rotate_method)(*shard, build_mask(ids[:, mine], positions[:, mine], "sdpa"))
+    out.backward(grad_out[:, :, mine])
+    pairs = [(out, full[:, :, mine])] + [(s.grad, t.grad[:, :, mine]) for s, t in zip(shard, (q, k, v))]
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
+
+
+def ring_cases() -> dict[str, float]:
+    return {method: ring_against_plain_attention(method) for method in ("allgather", "alltoall")}
+
+
+@pytest.mark.slow
+def test_document_ring_is_exact_on_an_odd_ring_with_shuffled_shards():
+    """3 cp ranks, each holding a random third of the sequence: both rotations give masked
+    attention's output and gradients (dk, dv summed over the ranks whose queries read them)."""
+    for worst in run_distributed(ring_cases, 3):
+        assert all(diff < 1e-5 for diff in worst.values()), worst
+
+
+@pytest.mark.slow
+def test_block_causal_flavor_trains_through_the_cli_on_packed_text(corpus_jsonl, tmp_path):
+    """TorchTitan's debugmodel_flex_attn flavor on CPU (the exact SDPA path runs, and says so), on
+    text whose windows hold several documents: context parallel 2 (the document ring, head-tail
+    balanced) follows 1 process's loss curve, and the masks change the curve against causal."""
+    common = ["--training.steps", "6", "--training.seq_len", "128", "--training.local_batch_size", "4", "--validation.enable",
+              "--validation.dataset", str(corpus_jsonl), "--validation.freq", "6", "--validation.seq_len", "128",
+              "--validation.local_batch_size", "4"]
+    runs = {
+        "single": (1, ["--model.flavor", "debugmodel_flex_attn"]),
+        "cp2": (2, ["--model.flavor", "debugmodel_flex_attn", "--parallelism.context_parallel_degree", "2"]),
+        "causal": (1, []),
+    }
+    curves, logs = {}, {}
+    for name, (nproc, extra) in runs.items():
+        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra))
+        assert out.returncode == 0, (name, out.stderr[-3000:])
+        rows = metrics(tmp_path / name)
+        curves[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
+        logs[name] = out.stdout
+    assert "attention kernel flex needs CUDA" in logs["single"] and "attention kernel" not in logs["causal"]
+    assert len(curves["single"]) == 7
+    assert curve_difference(curves["cp2"], curves["single"]) < 1e-4, curves
+    assert curve_difference(curves["causal"], curves["single"]) > 1e-3, curves
