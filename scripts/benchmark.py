@@ -1,6 +1,7 @@
 """Measure throughput, MFU and memory of a matrix of configs through the real trainer.
 
-    python scripts/benchmark.py --preset cpu            # debug shape: 1 rank, FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2;
+    python scripts/benchmark.py --preset cpu            # debug shape: 1 rank, FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2,
+                                                        # block_causal on 1 rank and CP 2;
                                                         # debug MoE: 1 rank, EP 2, EP 2 x FSDP 2
     python scripts/benchmark.py --preset gpu            # Llama 3 8B shape (8 blocks) on one GPU: bf16/float8, compile, AC;
                                                         # block_causal on FlexAttention and on SDPA's mask;
@@ -62,6 +63,8 @@ PRESETS = {
         Run("pp2", 2, [PP, "2"]),
         Run("cp2", 2, [CP, "2"]),
         Run("fsdp2_tp2", 4, [TP, "2"]),
+        Run("1rank_block_causal", 1, BLOCK_CAUSAL + ["sdpa"]),
+        Run("cp2_block_causal", 2, [CP, "2"] + BLOCK_CAUSAL + ["sdpa"]),
         Run("moe_1rank", 1, MOE),
         Run("moe_ep2", 2, MOE + [EP, "2"]),
         Run("moe_ep2_fsdp2", 4, MOE + [EP, "2"]),

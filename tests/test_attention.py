@@ -112,7 +112,7 @@ def test_compiled_flex_attention_trains_like_sdpa_on_cuda():
         assert ((flex - sdpa).abs().max() / sdpa.abs().max()).item() < 1e-3
 
 
-def ring_against_plain_attention(rotate_method: str) -> float:
+def ring_against_plain_attention(rotate_method: str, reset_positions: bool) -> float:
     """This cp rank's shard of q, k, v (rows of a random permutation of the sequence, as any load
     balancer might assign) through the document ring, against masked SDPA over the whole sequence:
     the worst relative difference of the output and of the q, k, v gradients."""
@@ -126,7 +126,7 @@ def ring_against_plain_attention(rotate_method: str) -> float:
     q = torch.randn(2, 4, seq, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, 2, seq, 8, generator=gen, requires_grad=True) for _ in range(2))
     grad_out = torch.randn(2, 4, seq, 8, generator=gen)
-    ids, positions = document_layout(packed_windows(512, 2, seq - 1, 3, seed=1)[:, :seq], BOS, reset_positions=False)
+    ids, positions = document_layout(packed_windows(512, 2, seq - 1, 3, seed=1)[:, :seq], BOS, reset_positions)
     full = CoreAttention()(q, k, v, build_mask(ids, positions, "sdpa"))
     full.backward(grad_out)
 
@@ -139,13 +139,20 @@ def ring_against_plain_attention(rotate_method: str) -> float:
 
 
 def ring_cases() -> dict[str, float]:
-    return {method: ring_against_plain_attention(method) for method in ("allgather", "alltoall")}
+    from titanlite.parallel import document_ring
+
+    document_ring.SCORE_TILE_ELEMENTS = 2 * 4 * 3 * 8  # 3 query rows per score tile: several tiles per shard
+    return {
+        f"{method} reset_positions={reset}": ring_against_plain_attention(method, reset)
+        for method in ("allgather", "alltoall") for reset in (False, True)
+    }
 
 
 @pytest.mark.slow
 def test_document_ring_is_exact_on_an_odd_ring_with_shuffled_shards():
     """3 cp ranks, each holding a random third of the sequence: both rotations give masked
-    attention's output and gradients (dk, dv summed over the ranks whose queries read them)."""
+    attention's output and gradients (dk, dv summed over the ranks whose queries read them), also
+    with positions restarting at each document, and with the scores computed in several tiles."""
     for worst in run_distributed(ring_cases, 3):
         assert all(diff < 1e-5 for diff in worst.values()), worst
 

@@ -26,7 +26,7 @@ def toy_plan():
 
     return ParallelPlan(
         build=Toy, head=("embed",), blocks="stack", tail=("final",), tp_plan=lambda model, sp, lp: {},
-        block_tp_plan=lambda block, sp, float8: {}, compile_units=lambda block, tp: [block], cp_buffers=lambda model: [],
+        block_tp_plan=lambda block, sp, float8: {}, compile_units=lambda block, tp: [block],
         hf=None,
     )
 

@@ -161,10 +161,10 @@ class Trainer:
         args = model_args(
             config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
         )
-        if args.attn_type != "sdpa" and device.type != "cuda":
+        self.document_masking = args.attn_mask_type == "block_causal"
+        if self.document_masking and args.attn_type != "sdpa" and device.type != "cuda":
             log_line(f"attention kernel {args.attn_type} needs CUDA (FlexAttention has no backward on {device.type}): the exact SDPA path runs")
             args = replace(args, attn_type="sdpa")
-        self.document_masking = args.attn_mask_type == "block_causal"
         family = FAMILIES[config.model.name]
         family.check(args, self.dims)
         if config.checkpoint.enable and config.checkpoint.last_save_in_hf:

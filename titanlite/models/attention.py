@@ -21,10 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ATTN_TYPES = ("sdpa", "flex", "varlen")  # TorchTitan's names; varlen runs on FlexAttention here
-MASK_TYPES = ("causal", "block_causal")
-
-
 def document_layout(tokens: torch.Tensor, bos_id: int, reset_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(document ids, positions), each (batch, seq), of packed windows: a document starts at each BOS
     (a window's first tokens may be the tail of an earlier one). Positions count from the window's
@@ -50,8 +46,14 @@ class DocumentMask:
 
     def allowed(self, kv_document_ids: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
         """(batch, 1, queries, keys) booleans against the keys with these ids and positions."""
-        same_document = self.document_ids[:, None, :, None] == kv_document_ids[:, None, None, :]
-        return same_document & (self.positions[:, None, :, None] >= kv_positions[:, None, None, :])
+        return visible(
+            self.document_ids[:, None, :, None], self.positions[:, None, :, None],
+            kv_document_ids[:, None, None, :], kv_positions[:, None, None, :],
+        )
+
+
+def visible(q_document, q_position, kv_document, kv_position):
+    return (q_document == kv_document) & (q_position >= kv_position)
 
 
 class CoreAttention(nn.Module):
@@ -75,7 +77,7 @@ def build_mask(document_ids: torch.Tensor, positions: torch.Tensor, attn_type: s
     if attn_type in ("flex", "varlen"):
 
         def same_document_not_later(b, h, q, kv):
-            return (document_ids[b, q] == document_ids[b, kv]) & (positions[b, q] >= positions[b, kv])
+            return visible(document_ids[b, q], positions[b, q], document_ids[b, kv], positions[b, kv])
 
         batch, seq = document_ids.shape
         create_block_mask = compiled("create_block_mask")

@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titanlite.parallel.document_ring import document_ring
+
 aten = torch.ops.aten
 SAVED_OPS = {
     aten.mm.default,
@@ -25,7 +27,8 @@ SAVED_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.higher_order.flex_attention,  # block_causal on CUDA (models/attention.py)
+    torch.ops.higher_order.flex_attention,  # block_causal on CUDA (models/attention.py), in compiled blocks
+    document_ring._opoverload,  # block_causal under context parallel: its output, not its score tiles
 }
 
 

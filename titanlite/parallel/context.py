@@ -12,9 +12,8 @@ backward) through the same ring (torch's `_templated_ring_attention`). These are
 APIs (looked up where 2.11-2.14 keep them); the parity tests pin their behaviour.
 
 Document-masked (block_causal) attention: torch's ring takes no mask, so `apply_cp` swaps each
-block's core attention for `RingAttention`, whose own ring (`_DocumentRing`) carries each KV
-shard's document ids and positions with it and applies the block mask of each (query shard, KV
-shard) pair. Positions, not shard order, decide causality, so any load balancer stays exact.
+block's core attention (models/attention.py's CoreAttention, which every family's attention calls)
+for `RingAttention`, which runs titanlite's document ring (parallel/document_ring.py).
 """
 
 from __future__ import annotations
@@ -23,14 +22,13 @@ import importlib
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import context_parallel
 
 from titanlite.models.attention import CoreAttention, DocumentMask
+from titanlite.parallel.document_ring import document_ring
 
 def _cp_implementation_module():
     """torch's CP implementation: moved from experimental._attention to experimental._context_parallel."""
@@ -45,9 +43,6 @@ def _cp_implementation_module():
 
 
 _ring = _cp_implementation_module()
-# torch 2.13 renamed these functional collectives (the old names warn); earlier releases have the old ones.
-_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
 SEQ_DIM = 2  # of q, k, v laid out (batch, heads, seq, head_dim)
 
 
@@ -123,113 +118,18 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> None:
 
 
 class RingAttention(CoreAttention):
-    """Causal: SDPA, which torch's context_parallel() turns into its ring. With a document mask: our
-    ring, the KV shards moving by all-gather or around the ring (all-to-all), as for torch's."""
+    """Causal: SDPA, which torch's context_parallel() turns into its ring. With a document mask:
+    titanlite's document ring, its KV shards moving as the rotate method says, as torch's do."""
 
     def __init__(self, group, rotate_method: str):
         super().__init__()
-        self.group, self.rotate_method = group, rotate_method
+        self.group_name, self.rotate_method = group.group_name, rotate_method
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
         if mask is None:
             return super().forward(q, k, v, None)
-        return _DocumentRing.apply(q, k, v, mask.document_ids, mask.positions, self.group, self.rotate_method)
-
-
-def _visits(local: list[torch.Tensor], group, rotate_method: str):
-    """Yields, for j = 0 .. cp-1, the tensors of the shard of cp rank (rank - j) mod cp: all gathered
-    at once (allgather), or each passed on to the next rank while this one computes (alltoall)."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rotate_method == "allgather":
-        gathered = [_all_gather(t, 0, group).chunk(n) for t in local]
-        for j in range(n):
-            yield [g[(rank - j) % n] for g in gathered]
-        return
-    for j in range(n):
-        following = [pass_on(t, group) for t in local] if j < n - 1 else None
-        yield local
-        local = following
-
-
-def pass_on(t: torch.Tensor, group) -> torch.Tensor:
-    """Send `t` to the next cp rank; returns the previous rank's (permute_tensor takes 1-D tensors)."""
-    n = dist.get_world_size(group)
-    return funcol.permute_tensor(t.flatten(), [(i + 1) % n for i in range(n)], group).view(t.shape)
-
-
-class _DocumentRing(torch.autograd.Function):
-    """Exact attention of this rank's queries over every rank's keys, masked to the same document
-    and not later. q (b, heads, s, d); k, v (b, kv_heads, s, d); document ids and positions (b, s)
-    of the local tokens. Scores are computed per visiting KV shard in fp32 and merged by their
-    log-sum-exp (flash attention's recurrence); backward recomputes them shard by shard, and each
-    shard's key/value gradients travel back to the rank that holds it."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, document_ids, positions, group, rotate_method):
-        local = DocumentMask(document_ids, positions)
-        q5 = _grouped_queries(q, k.shape[1])
-        scale = q.shape[-1] ** -0.5
-        out = lse = None
-        # The own shard comes first, and each query sees at least itself there: lse is finite from then on.
-        for kv, layout in _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method):
-            allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)  # (b, 1, 1, sq, sk)
-            scores = _scores(q5, kv[0], allowed, scale)
-            chunk_lse = torch.logsumexp(scores, dim=-1)
-            chunk_out = torch.where(allowed, torch.exp(scores - chunk_lse[..., None]), 0.0) @ kv[1].float().unsqueeze(2)
-            if out is None:
-                out, lse = chunk_out, chunk_lse
-                continue
-            merged = torch.logaddexp(lse, chunk_lse)
-            out = out * torch.exp(lse - merged)[..., None] + chunk_out * torch.exp(chunk_lse - merged)[..., None]
-            lse = merged
-        ctx.save_for_backward(q, k, v, document_ids, positions, out, lse)
-        ctx.group, ctx.rotate_method = group, rotate_method
-        return out.flatten(1, 2).to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, document_ids, positions, out, lse = ctx.saved_tensors
-        group, n = ctx.group, dist.get_world_size(ctx.group)
-        local = DocumentMask(document_ids, positions)
-        q5, grad5 = _grouped_queries(q, k.shape[1]), _grouped_queries(grad_out, k.shape[1])
-        scale = q.shape[-1] ** -0.5
-        row_dot = (grad5 * out).sum(-1, keepdim=True)  # softmax's backward term, per query row
-        grad_q = torch.zeros_like(q5)
-        by_shard = []  # allgather: each visiting shard's key/value gradients
-        travelling = None  # alltoall: the gradients of the shard now here, summed over the ranks it visited
-        visits = _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, ctx.rotate_method)
-        for j, (kv, layout) in enumerate(visits):
-            allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)
-            kf, vf = kv[0].float().unsqueeze(2), kv[1].float().unsqueeze(2)
-            probs = torch.where(allowed, torch.exp(_scores(q5, kv[0], allowed, scale) - lse[..., None]), 0.0)
-            grad_scores = probs * (grad5 @ vf.transpose(-1, -2) - row_dot)
-            grad_q += grad_scores @ kf * scale
-            grad_kv = torch.stack([
-                (grad_scores.transpose(-1, -2) @ q5).sum(2) * scale, (probs.transpose(-1, -2) @ grad5).sum(2)
-            ])
-            if ctx.rotate_method == "allgather":
-                by_shard.append(grad_kv)
-                continue
-            travelling = grad_kv if travelling is None else pass_on(travelling, group) + grad_kv
-        if ctx.rotate_method == "allgather":
-            rank = dist.get_rank(group)
-            ordered = torch.stack([by_shard[(rank - i) % n] for i in range(n)])  # by the rank holding each shard
-            grad_kv = _reduce_scatter(ordered, "sum", 0, group)[0]
-        else:
-            grad_kv = pass_on(travelling, group) if n > 1 else travelling  # the last shard's sums go home
-        return grad_q.flatten(1, 2).to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
-
-
-def _grouped_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(b, heads, s, d) -> fp32 (b, kv_heads, heads per kv head, s, d): query head i reads kv head
-    i // (heads / kv_heads), as repeat_interleave would pair them."""
-    b, heads, s, d = q.shape
-    return q.float().view(b, kv_heads, heads // kv_heads, s, d)
-
-
-def _scores(q5: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    scores = q5 @ k.float().unsqueeze(2).transpose(-1, -2) * scale  # (b, kv_heads, per kv head, sq, sk)
-    return scores.masked_fill(~allowed, float("-inf"))
+        out, _ = document_ring(q, k, v, mask.document_ids, mask.positions, self.group_name, self.rotate_method)
+        return out
 
 
 def share_sequence_counts(model: nn.Module, plan, sequence_mesh: DeviceMesh) -> None:

@@ -1,0 +1,176 @@
+"""Context parallel's attention under document masks: this cp rank's queries over every cp rank's
+keys, each KV shard travelling with its tokens' document ids and positions, so the mask of every
+(query shard, KV shard) pair is exact whatever the load balancer put where.
+
+The KV shards are all gathered at once (`allgather`) or passed around the ring while each rank
+computes (`alltoall`), as `parallelism.context_parallel_rotate_method` says. Scores of each visiting
+shard are computed in fp32, in blocks of query rows (at most SCORE_TILE_ELEMENTS at a time), and
+merged by their log-sum-exp (flash attention's recurrence). Backward recomputes them shard by shard
+from the saved output and log-sum-exp; each shard's key/value gradients go back to the rank that
+holds it (a reduce-scatter, or one more hop around the ring). GQA shares each KV head among its
+query heads without repeating k and v.
+
+Forward and backward are custom ops: activation checkpointing's per-op policy sees one op (and
+keeps its output and log-sum-exp, not its score tiles), and torch.compile graphs hold the op, not
+its collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from titanlite.models.attention import DocumentMask
+
+SCORE_TILE_ELEMENTS = 2**26  # fp32 scores held at once: 256 MiB
+# torch 2.13 renamed these functional collectives (the old names warn); earlier releases have the old ones.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+@torch.library.custom_op("titanlite::document_ring", mutates_args=())
+def document_ring(
+    q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, group_name: str, rotate_method: str
+) -> tuple[Tensor, Tensor]:
+    """q (b, heads, s, d); k, v (b, kv_heads, s, d); document ids and positions (b, s) of this rank's
+    tokens. Returns the attention output (like q) and its log-sum-exp (b, heads, s, fp32)."""
+    group = _resolve_process_group(group_name)
+    local = DocumentMask(document_ids, positions)
+    q5, scale = _grouped(q, k.shape[1]), q.shape[-1] ** -0.5
+    out = lse = None
+    # The own shard comes first, and each query sees at least itself there: lse is finite from then on.
+    for kv, layout in _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method):
+        allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)  # (b, 1, 1, sq, sk)
+        shard_out, shard_lse = _attend(q5, kv[0], kv[1], allowed, scale)
+        if out is None:
+            out, lse = shard_out, shard_lse
+            continue
+        merged = torch.logaddexp(lse, shard_lse)
+        out = out * torch.exp(lse - merged)[..., None] + shard_out * torch.exp(shard_lse - merged)[..., None]
+        lse = merged
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+@document_ring.register_fake
+def _(q, k, v, document_ids, positions, group_name, rotate_method):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)  # contiguous, as the real ones
+
+
+@torch.library.custom_op("titanlite::document_ring_backward", mutates_args=())
+def document_ring_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, out: Tensor, lse: Tensor,
+    group_name: str, rotate_method: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    group = _resolve_process_group(group_name)
+    n, kv_heads = dist.get_world_size(group), k.shape[1]
+    local = DocumentMask(document_ids, positions)
+    q5, grad5, scale = _grouped(q, kv_heads), _grouped(grad_out, kv_heads), q.shape[-1] ** -0.5
+    lse = lse.view(q5.shape[:-1])
+    row_dot = (grad5 * _grouped(out, kv_heads)).sum(-1, keepdim=True)  # softmax's backward term, per query row
+    grad_q = q5.new_zeros(q5.shape)  # contiguous (q5 may be a strided view of q), as the fake output says
+    by_shard = []  # allgather: each visiting shard's key/value gradients
+    travelling = None  # alltoall: the gradients of the shard now here, summed over the ranks it visited
+    for kv, layout in _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method):
+        allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)
+        grad_kv = _gradients(q5, grad5, row_dot, lse, kv[0], kv[1], allowed, scale, grad_q)
+        if rotate_method == "allgather":
+            by_shard.append(grad_kv)
+        else:
+            travelling = grad_kv if travelling is None else pass_on(travelling, group) + grad_kv
+    if rotate_method == "allgather":
+        rank = dist.get_rank(group)
+        ordered = torch.stack([by_shard[(rank - i) % n] for i in range(n)])  # by the rank holding each shard
+        grad_kv = _reduce_scatter(ordered, "sum", 0, group)[0]
+    else:
+        grad_kv = pass_on(travelling, group) if n > 1 else travelling  # the last shard's sums go home
+    # Copies: a custom op's outputs may not be views of one another.
+    return grad_q.flatten(1, 2).to(q.dtype), grad_kv[0].to(k.dtype, copy=True), grad_kv[1].to(v.dtype, copy=True)
+
+
+@document_ring_backward.register_fake
+def _(grad_out, q, k, v, document_ids, positions, out, lse, group_name, rotate_method):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, document_ids, positions, ctx.group_name, ctx.rotate_method = inputs
+    ctx.save_for_backward(q, k, v, document_ids, positions, *output)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    grads = document_ring_backward(grad_out, *ctx.saved_tensors, ctx.group_name, ctx.rotate_method)
+    return *grads, None, None, None, None
+
+
+document_ring.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _visits(local: list[Tensor], group, rotate_method: str):
+    """Yields, for j = 0 .. cp-1, the tensors of the shard of cp rank (rank - j) mod cp: all gathered
+    at once (allgather), or each passed on to the next rank while this one computes (alltoall)."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rotate_method == "allgather":
+        gathered = [_all_gather(t, 0, group).chunk(n) for t in local]
+        for j in range(n):
+            yield [g[(rank - j) % n] for g in gathered]
+        return
+    for j in range(n):
+        following = [pass_on(t, group) for t in local] if j < n - 1 else None
+        yield local
+        local = following
+
+
+def pass_on(t: Tensor, group) -> Tensor:
+    """Send `t` to the next cp rank; returns the previous rank's (permute_tensor takes 1-D tensors)."""
+    n = dist.get_world_size(group)
+    return funcol.permute_tensor(t.flatten(), [(i + 1) % n for i in range(n)], group).view(t.shape)
+
+
+def _grouped(t: Tensor, kv_heads: int) -> Tensor:
+    """(b, heads, s, d) -> fp32 (b, kv_heads, heads per kv head, s, d): query head i reads kv head
+    i // (heads / kv_heads), as repeat_interleave pairs them."""
+    b, heads, s, d = t.shape
+    return t.float().view(b, kv_heads, heads // kv_heads, s, d)
+
+
+def _row_blocks(q5: Tensor, keys: int) -> list[slice]:
+    """Slices of the query rows whose scores against `keys` keys fit in SCORE_TILE_ELEMENTS."""
+    b, groups, per_group, rows, _ = q5.shape
+    step = max(1, SCORE_TILE_ELEMENTS // (b * groups * per_group * keys))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _probabilities(q_rows: Tensor, k: Tensor, visible: Tensor, scale: float, lse: Tensor | None = None):
+    """Softmax numerators of some query rows over a KV shard, normalized by `lse` (computed from
+    these scores when None); masked entries are exactly 0. Returns (probabilities, lse)."""
+    scores = (q_rows @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)  # -inf on a row that sees nothing of this shard
+    return torch.where(visible, torch.exp(scores - lse[..., None]), 0.0), lse
+
+
+def _attend(q5: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Output and log-sum-exp of the grouped queries over one KV shard."""
+    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    out, lse = q5.new_empty(q5.shape[:-1] + vf.shape[-1:]), q5.new_empty(q5.shape[:-1])
+    for rows in _row_blocks(q5, kf.shape[-2]):
+        probs, lse[..., rows] = _probabilities(q5[..., rows, :], kf, allowed[..., rows, :], scale)
+        out[..., rows, :] = probs @ vf
+    return out, lse
+
+
+def _gradients(q5, grad5, row_dot, lse, k, v, allowed, scale: float, grad_q: Tensor) -> Tensor:
+    """Adds the queries' gradient from one KV shard to `grad_q`; returns that shard's stacked key and
+    value gradients (b, kv_heads, sk, d) summed over its query heads."""
+    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    grad_k, grad_v = torch.zeros_like(kf[:, :, 0]), torch.zeros_like(vf[:, :, 0])
+    for rows in _row_blocks(q5, kf.shape[-2]):
+        probs, _ = _probabilities(q5[..., rows, :], kf, allowed[..., rows, :], scale, lse[..., rows])
+        grad_scores = probs * (grad5[..., rows, :] @ vf.transpose(-1, -2) - row_dot[..., rows, :])
+        grad_q[..., rows, :] += grad_scores @ kf * scale
+        grad_k += (grad_scores.transpose(-1, -2) @ q5[..., rows, :]).sum(2) * scale
+        grad_v += (probs.transpose(-1, -2) @ grad5[..., rows, :]).sum(2)
+    return torch.stack([grad_k, grad_v])
