@@ -149,8 +149,8 @@ class Model:
     )
     attn_type: str | None = opt(
         None,
-        "attention kernel for block_causal: 'sdpa' (a boolean mask; exact anywhere) or 'flex' (FlexAttention, CUDA; "
-        "on CPU sdpa runs instead); 'varlen' runs on flex; none = the flavor's",
+        "attention kernel for block_causal: 'flex' (FlexAttention, CUDA; elsewhere sdpa runs instead) or 'sdpa' (a "
+        "boolean mask; exact anywhere); 'varlen' runs on flex; none = the flavor's (flex)",
         choices=(None, "sdpa", "flex", "varlen"),
         extension=True,
     )

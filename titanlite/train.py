@@ -162,9 +162,14 @@ class Trainer:
             config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
         )
         self.document_masking = args.attn_mask_type == "block_causal"
-        if self.document_masking and args.attn_type != "sdpa" and device.type != "cuda":
-            log_line(f"attention kernel {args.attn_type} needs CUDA (FlexAttention has no backward on {device.type}): the exact SDPA path runs")
-            args = replace(args, attn_type="sdpa")
+        if self.document_masking and args.attn_type != "sdpa" and device.type != "meta":
+            why = (
+                f"FlexAttention has no backward on {device.type}, so the exact SDPA path runs" if device.type != "cuda"
+                else "under context parallel the document ring runs" if self.dims.cp_enabled else None
+            )
+            if why:
+                log_line(f"attention kernel {args.attn_type} not used: {why}")
+                args = replace(args, attn_type="sdpa")  # builds no block mask
         family = FAMILIES[config.model.name]
         family.check(args, self.dims)
         if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
@@ -246,7 +251,9 @@ class Trainer:
         window: under block_causal each token's document id and position; under context parallel
         its position (which RoPE rows its sequence shard takes)."""
         if self.document_masking:
-            document_ids, positions = document_layout(inputs, self.tokenizer.bos_id, self.config.model.reset_position_ids)
+            document_ids, positions = document_layout(
+                inputs, self.tokenizer.bos_id, self.config.model.reset_position_ids, self.tokenizer.eos_id
+            )
             return {"positions": positions, "document_ids": document_ids}
         if self.dims.cp_enabled:
             return {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)}

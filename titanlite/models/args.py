@@ -23,9 +23,10 @@ class ModelArgs:
     head_dim_override: int = 0  # 0: dim / n_heads (Qwen3's heads are wider than that)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     # TorchTitan's names. block_causal: attention within each packed document (models/attention.py);
-    # attn_type: its kernel, sdpa or flex (varlen, TorchTitan's other one, runs on flex here).
+    # attn_type: its kernel, flex (CUDA; SDPA with a boolean mask elsewhere) or sdpa (varlen,
+    # TorchTitan's other one, runs on flex here). Causal attention runs SDPA's causal kernel.
     attn_mask_type: str = "causal"
-    attn_type: str = "sdpa"
+    attn_type: str = "flex"
 
     @property
     def head_dim(self) -> int:

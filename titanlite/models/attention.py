@@ -21,16 +21,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-def document_layout(tokens: torch.Tensor, bos_id: int, reset_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def document_layout(
+    tokens: torch.Tensor, bos_id: int, reset_positions: bool, eos_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(document ids, positions), each (batch, seq), of packed windows: a document starts at each BOS
-    (a window's first tokens may be the tail of an earlier one). Positions count from the window's
-    start, or with `reset_positions` from each document's (its first token is at 0, as if alone)."""
-    document_ids = (tokens == bos_id).cumsum(dim=1)
+    (a window's first tokens may be the tail of an earlier one). Where BOS and EOS are one token
+    (GPT-2's and Qwen's <|endoftext|>), documents are joined by pairs of it, and the second one
+    starts the next document. Positions count from the window's start, or with `reset_positions`
+    from each document's (its first token is at 0, as if alone)."""
+    starts = tokens == bos_id
+    if eos_id == bos_id:
+        after_eos = torch.ones_like(starts)
+        after_eos[:, 1:] = tokens[:, :-1] == eos_id
+        starts &= after_eos
+    document_ids = starts.cumsum(dim=1)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     if reset_positions:
         # The position of each document's first token, carried forward over the document.
-        starts = torch.where(tokens == bos_id, positions, torch.zeros_like(positions)).cummax(dim=1).values
-        positions = positions - starts
+        first = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=1).values
+        positions = positions - first
     return document_ids, positions.contiguous()
 
 

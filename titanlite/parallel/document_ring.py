@@ -143,33 +143,35 @@ def _row_blocks(q5: Tensor, keys: int) -> list[slice]:
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
-def _probabilities(q_rows: Tensor, k: Tensor, visible: Tensor, scale: float, lse: Tensor | None = None):
-    """Softmax numerators of some query rows over a KV shard, normalized by `lse` (computed from
-    these scores when None); masked entries are exactly 0. Returns (probabilities, lse)."""
-    scores = (q_rows @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)  # -inf on a row that sees nothing of this shard
-    return torch.where(visible, torch.exp(scores - lse[..., None]), 0.0), lse
+def _masked_scores(q_rows: Tensor, k: Tensor, visible: Tensor) -> Tensor:
+    """Scores of some (pre-scaled) query rows against a KV shard; -inf where masked."""
+    return (q_rows @ k.transpose(-1, -2)).masked_fill_(~visible, float("-inf"))
 
 
 def _attend(q5: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Output and log-sum-exp of the grouped queries over one KV shard."""
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    """Output and log-sum-exp of the grouped queries over one KV shard (a row that sees nothing of
+    it: output 0, log-sum-exp -inf)."""
+    kf, vf, q5 = k.float().unsqueeze(2), v.float().unsqueeze(2), q5 * scale
     out, lse = q5.new_empty(q5.shape[:-1] + vf.shape[-1:]), q5.new_empty(q5.shape[:-1])
     for rows in _row_blocks(q5, kf.shape[-2]):
-        probs, lse[..., rows] = _probabilities(q5[..., rows, :], kf, allowed[..., rows, :], scale)
-        out[..., rows, :] = probs @ vf
+        scores = _masked_scores(q5[..., rows, :], kf, allowed[..., rows, :])
+        row_max = scores.amax(dim=-1, keepdim=True).nan_to_num_(neginf=0.0)  # 0 on a row that sees nothing
+        weights = scores.sub_(row_max).exp_()
+        total = weights.sum(dim=-1, keepdim=True)  # >= 1 on a row that sees something, 0 on one that does not
+        out[..., rows, :] = (weights @ vf) / total.clamp(min=1.0)
+        lse[..., rows] = (row_max + total.log()).squeeze(-1)
     return out, lse
 
 
 def _gradients(q5, grad5, row_dot, lse, k, v, allowed, scale: float, grad_q: Tensor) -> Tensor:
     """Adds the queries' gradient from one KV shard to `grad_q`; returns that shard's stacked key and
-    value gradients (b, kv_heads, sk, d) summed over its query heads."""
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    value gradients (b, kv_heads, sk, d) summed over its query heads. `lse` is the whole attention's
+    (finite: each query sees itself), so the probabilities need no renormalizing."""
+    kf, vf, scaled = k.float().unsqueeze(2), v.float().unsqueeze(2), q5 * scale
     grad_k, grad_v = torch.zeros_like(kf[:, :, 0]), torch.zeros_like(vf[:, :, 0])
     for rows in _row_blocks(q5, kf.shape[-2]):
-        probs, _ = _probabilities(q5[..., rows, :], kf, allowed[..., rows, :], scale, lse[..., rows])
-        grad_scores = probs * (grad5[..., rows, :] @ vf.transpose(-1, -2) - row_dot[..., rows, :])
+        probs = _masked_scores(scaled[..., rows, :], kf, allowed[..., rows, :]).sub_(lse[..., rows, None]).exp_()
+        grad_scores = (grad5[..., rows, :] @ vf.transpose(-1, -2)).sub_(row_dot[..., rows, :]).mul_(probs)
         grad_q[..., rows, :] += grad_scores @ kf * scale
         grad_k += (grad_scores.transpose(-1, -2) @ q5[..., rows, :]).sum(2) * scale
         grad_v += (probs.transpose(-1, -2) @ grad5[..., rows, :]).sum(2)
