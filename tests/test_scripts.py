@@ -41,7 +41,7 @@ def test_loss_compare_trains_from_one_seed_and_asserts(corpus_jsonl, tmp_path):
     # Reading finished runs: a curve shifted by 0.01 fails a 1e-3 tolerance.
     shifted = tmp_path / "shifted.jsonl"
     shifted.write_text("".join(json.dumps({"step": i + 1, "loss": x + 0.01}) + "\n"
-                               for i, x in enumerate(result["curves"]["single"])))
+                               for i, x in enumerate(result["curves"]["single"].values())))
     out = run_command([*script, "--metrics", "single", str(tmp_path / "single" / "metrics.jsonl"),
                        "--metrics", "shifted", str(shifted), "--out", str(tmp_path / "read"), "--assert-within", "1e-3"])
     assert out.returncode == 1 and "FAIL" in out.stdout, out.stdout + out.stderr
