@@ -2,6 +2,7 @@
 its refusal of layouts that do not fit."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -110,3 +111,82 @@ def test_moe_is_priced_by_active_flops_and_expert_parallel_trades_gathers_for_al
     eps = {layout.ep for layout in candidate_layouts(model, 4096, 64, gpu, 16) if layout.tp == 1 and layout.cp == 1}
     assert eps == {1, 2, 4, 8, 16}
     assert fsdp.memory_total / GIB > ep.memory_total / GIB
+
+
+REPO_RUNS = __import__("pathlib").Path(__file__).resolve().parent.parent / "docs" / "published_runs.jsonl"
+
+
+def counted_runs():
+    from titanlite.planner import published_runs
+
+    return [r for r in published_runs(REPO_RUNS) if not r.excluded]
+
+
+def test_predictions_within_10_percent_of_published_runs():
+    """Tokens/s per GPU of every counted published run (docs/published_runs.jsonl): mean absolute
+    error at most 10% over all, and over the runs held out of the fit; none off by more than 20%."""
+    runs = counted_runs()
+    assert len(runs) >= 25 and {"A100", "H100", "H200", "B200"} <= {r.gpu.name.split()[0] for r in runs}
+    errors = {r.id: r.error for r in runs}
+    assert all(not abs(e) > 0.20 for e in errors.values()), {k: round(e, 3) for k, e in errors.items() if not abs(e) <= 0.2}
+    held_out = [abs(r.error) for r in runs if r.holdout]
+    assert len(held_out) >= 10
+    assert sum(map(abs, errors.values())) / len(errors) <= 0.10
+    assert sum(held_out) / len(held_out) <= 0.10
+
+
+def test_the_fitted_constants_are_a_minimum_of_the_fit():
+    """Fitting again from the committed constants gains almost nothing: they are what --fit gives."""
+    from titanlite import planner
+    from titanlite.planner import FITTED, fit_constants, mean_log_error
+
+    fitted = [r for r in counted_runs() if not r.holdout]
+    before = mean_log_error(fitted)
+    saved = {name: (dict(v) if isinstance(v, dict) else v) for name, v in ((n, getattr(planner, n)) for n in FITTED)}
+    try:
+        fit_constants(fitted, rounds=1)
+        assert mean_log_error(fitted) > before - 0.002
+    finally:
+        for name, value in saved.items():
+            setattr(planner, name, value)
+
+
+def test_recommends_tensor_parallel_inside_the_node_for_70b_and_405b():
+    """As every published Llama 3 70B and 405B run on H100 does: TP 4 or 8 within the 8-GPU node."""
+    h100 = find_gpu("H100")
+    for flavor, gpus, batch in (("70B", 256, 512), ("405B", 2048, 1024)):
+        fitting, _ = plan(LLAMA3_FLAVORS[flavor], 8192, batch, h100, gpus)
+        assert fitting[0].layout.tp in (4, 8), (flavor, fitting[0].layout.describe())
+
+
+def test_published_runs_that_ran_fit_in_their_gpus_memory():
+    fitted = [r.id for r in counted_runs() if r.estimate().fits]
+    assert len(fitted) >= 3, fitted
+
+
+def test_explain_names_ties_and_layouts_outside_the_validated_range():
+    h100 = find_gpu("H100")
+    model = LLAMA3_FLAVORS["8B"]
+    # 8B with TP 8: per-GPU matmuls 512 wide, narrower than any published run's.
+    e = estimate(model, 8192, 16, h100, Layout(dp_shard=1, tp=8, microbatch=1))
+    from titanlite.planner import outside_validation
+
+    assert any("matmul width 512" in note for note in outside_validation(e, model, 8192))
+    assert outside_validation(estimate(model, 8192, 16, h100, Layout(dp_shard=8, microbatch=1)), model, 8192) == []
+    # Two layouts the model prices the same are named as a tie, with their difference in words.
+    best = estimate(model, 8192, 16, h100, Layout(dp_shard=8, microbatch=1))
+    twin = replace(best, layout=Layout(dp_shard=8, microbatch=1, ac="op"))
+    lines = explain([best, twin], [], model, 8192)
+    assert any("1 more within 1%" in line and "AC op" in line for line in lines), lines
+    assert not any("caution" in line for line in lines)
+    assert any("caution: per-GPU matmul width 512" in line for line in explain([e], [], model, 8192))
+
+
+def test_plan_script_prints_the_published_comparison():
+    import subprocess
+    import sys
+
+    script = REPO_RUNS.parent.parent / "scripts" / "plan.py"
+    out = subprocess.run([sys.executable, str(script), "--published"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "held out: 20 runs, mean absolute error" in out.stdout and "| R104 |" in out.stdout

@@ -10,24 +10,29 @@ Memory per GPU (bytes):
                backward's working set (one block's activation gradients)
   overhead     runtime, allocator and communication buffers: a constant (GPU: 2 GiB; CPU: measured)
 
-Step time: compute at an achievable fraction of peak, which falls as TP narrows the per-GPU matmuls
-(efficiency = max_efficiency * k / (k + 128), k = dim / tp), plus the communication that cannot
-hide behind compute: FSDP all-gathers/reduce-scatters beyond what overlaps, every TP collective
-(no async TP), the pipeline bubble, CP's ring exchange beyond the attention it overlaps, HSDP's
-cross-replica all-reduce, and for MoE models expert parallel's all-to-alls (not overlapped).
+Step time: the linears' FLOPs at a sustained share of the peak (per GPU type, per framework, under
+a power limit, narrower per-GPU matmuls and fewer tokens per microbatch slower; float8 faster the
+wider the model), causal attention at its own rate (CP's short chunks slower), recompute, plus the
+communication that cannot hide behind compute: FSDP all-gathers/reduce-scatters beyond what
+overlaps, TP collectives (most hidden with TP overlap), the pipeline bubble (interleaved stages
+shrink it), CP's ring exchange beyond the attention it overlaps, HSDP's cross-replica all-reduce,
+and for MoE models expert parallel's all-to-alls (not overlapped).
 
 Mixture of experts: FLOPs count the active parameters (a token's top-k experts); the routed experts
 are sharded like every weight (over ep x efsdp = dp_shard x cp x tp) but gathered by FSDP over efsdp
 only, so a rank's working copy holds experts / ep of them (the planner models expert TP degree 1:
 experts whole; float8 covers the dense linears, routed experts run in bf16); the MoE layer routes each tp rank's
 sequence shard (titanlite's MoE under TP), and the all-to-all moves top_k copies of each token's
-hidden state to its experts and back, forward and backward. Collectives are ring-costed at NVLink speed inside an NVLink domain and
-network speed across. The constants are stated here, not fitted per run; docs/planner.md compares
-the predictions with published runs.
+hidden state to its experts and back, forward and backward. Collectives are ring-costed at NVLink
+speed inside an NVLink domain and network speed across. A few constants are fitted to the
+published runs of docs/published_runs.jsonl (`fit_constants`, scripts/plan.py --fit; some held out),
+the rest stated; docs/planner.md has both and the errors.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, field, replace
 from itertools import product
 
@@ -35,11 +40,33 @@ from titanlite.hardware import GPU
 from titanlite.models.args import ModelArgs, MoEArgs
 
 GIB = 2**30
-MAX_EFFICIENCY = 0.55  # bf16 matmul-heavy training, compiled, at large matmul widths
-FLOAT8_EFFICIENCY = 0.70  # fraction of the float8 peak reached relative to bf16's (casts, scaling)
-K_HALF = 128  # per-GPU matmul width at which efficiency is half its maximum
-FSDP_OVERLAP = 0.9  # share of compute time FSDP's prefetched collectives can hide behind
+# Fitted to the published runs (scripts/plan.py --fit; docs/planner.md): the share of the bf16 peak
+# that large matmuls sustain in training, per GPU type; the per-GPU matmul width at which that
+# share halves; causal attention's rate relative to the matmuls'; float8's speedup of the linears
+# over bf16; the exponent of the power limit (clocks fall with it).
+SUSTAINED = {"A100": 0.814, "H100": 0.620, "H200": 0.624, "B200": 0.565, "GB200": 0.526}
+K_HALF = 164
+M_HALF = 563  # tokens per microbatch and GPU (the GEMMs' other dimension) at which efficiency halves
+ATTENTION_RATE = 0.80
+FLOAT8_SPEEDUP = 1.84  # at large model widths; it grows with the width (casts and scales cost less per FLOP)
+FLOAT8_DIM_HALF = 3060  # the model width at which float8 has half its speedup
+POWER_EXPONENT = 0.77
+# The frameworks' kernels and overlap, relative to Megatron-Core's (fitted the same way); titanlite
+# is planned as TorchTitan, whose kernels (torch.compile, SDPA) and FSDP2 it shares.
+SOFTWARE = {"megatron": 1.0, "torchtitan": 0.85, "llm-foundry": 0.867}
+# The share of compute time that prefetched FSDP / data-parallel collectives hide behind. Fitted
+# above 1: the compute time modelled is that of a step with no communication, and the kernels that
+# run beside collectives leave them more time than that.
+FSDP_OVERLAP = 1.09
+FITTED = ("SUSTAINED", "K_HALF", "M_HALF", "ATTENTION_RATE", "FLOAT8_SPEEDUP", "FLOAT8_DIM_HALF", "POWER_EXPONENT", "SOFTWARE",
+          "FSDP_OVERLAP")
+# Stated, not fitted: the share of TP collectives hidden where TP communication overlaps its GEMMs
+# (Megatron's tp_comm_overlap, torch's async TP).
+TP_OVERLAP = 0.8
 GPU_OVERHEAD = 2 * GIB
+# The range the published runs cover: the smallest per-GPU matmul width (min(dim, ffn) / tp) and
+# tokens per microbatch and GPU among them, and the largest CP degree.
+VALIDATED = {"width": 1024, "tokens": 4096, "cp": 2}
 
 
 @dataclass(frozen=True)
@@ -51,8 +78,11 @@ class Layout:
     cp: int = 1
     ep: int = 1  # expert parallel (MoE): borrows dp_shard x cp x tp, so it does not count in gpus
     microbatch: int = 1  # sequences per forward/backward on a rank
-    ac: str = "none"  # none | op | full
+    ac: str = "none"  # none | op | full (| op_half: TorchTitan's op policy, for published runs)
     float8: bool = False
+    vp: int = 1  # pipeline stages per pp rank (interleaved schedules)
+    tp_overlap: bool = False  # TP collectives overlap their GEMMs (async TP)
+    zero1: bool = False  # dp_replicate ranks shard the optimizer states (Megatron's distributed optimizer)
 
     @property
     def gpus(self) -> int:
@@ -60,8 +90,9 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{name} {v}" for name, v in [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp),
-                                               ("pp", self.pp), ("cp", self.cp), ("ep", self.ep)] if v > 1] or ["1 GPU"]
-        return ", ".join(parts) + f"; microbatch {self.microbatch}; AC {self.ac}" + ("; float8" if self.float8 else "")
+                                               ("pp", self.pp), ("vp", self.vp), ("cp", self.cp), ("ep", self.ep)] if v > 1] or ["1 GPU"]
+        flags = [name for name, on in (("float8", self.float8), ("TP overlap", self.tp_overlap), ("ZeRO-1", self.zero1)) if on]
+        return ", ".join(parts) + f"; microbatch {self.microbatch}; AC {self.ac}" + "".join(f"; {f}" for f in flags)
 
 
 @dataclass
@@ -137,8 +168,9 @@ def block_activation_elements(model: ModelArgs, tokens: float, layout: Layout) -
 
 def estimate(
     model: ModelArgs, seq_len: int, global_batch: int, gpu: GPU, layout: Layout,
-    act_bytes: int = 2, overhead: float = GPU_OVERHEAD,
+    act_bytes: int = 2, overhead: float = GPU_OVERHEAD, power_watts: float | None = None, software: str = "torchtitan",
 ) -> Estimate:
+    """`power_watts`: the GPUs' power limit where below their TDP; `software`: a SOFTWARE key."""
     L = layout
     dp = L.dp_replicate * L.dp_shard
     fsdp = L.dp_shard * L.cp
@@ -149,8 +181,12 @@ def estimate(
     params = stage_params(model, L.pp)
     est = Estimate(L, capacity=gpu.hbm_bytes, peak=gpu.bf16_flops)
 
-    # Memory.
-    est.memory["states"] = 16 * params / (L.tp * fsdp)
+    # Memory. ZeRO-1: bf16 weights and fp32 gradients whole, the fp32 master weights and Adam's
+    # moments sharded over the replicas (and cp, which Megatron's optimizer shards over too).
+    if L.zero1:
+        est.memory["states"] = (6 + 12 / (L.dp_replicate * fsdp)) * params / L.tp
+    else:
+        est.memory["states"] = 16 * params / (L.tp * fsdp)
     gathered_blocks = blocks if L.pp > 1 else 2  # a pipeline stage keeps all its blocks gathered
     experts = expert_params(model)
     gathered_block = (model.block_params - experts) / L.tp + experts / L.ep  # EP ranks gather their own experts (whole)
@@ -170,17 +206,30 @@ def estimate(
     flops_per_token = model.flops_per_token(seq_len)
     est.flops_per_gpu = flops_per_token * est.tokens_per_gpu
     k = min(model.dim, model.ffn_hidden_dim) / L.tp
-    est.matmul_efficiency = MAX_EFFICIENCY * k / (k + K_HALF)
+    power = min(1.0, power_watts / gpu.tdp_watts) ** POWER_EXPONENT if power_watts else 1.0
+    est.matmul_efficiency = SUSTAINED[gpu_family(gpu)] * SOFTWARE[software] * power * k / (k + K_HALF) * tokens / (tokens + M_HALF)
     rate = gpu.bf16_flops * est.matmul_efficiency
     linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
-    if L.float8:  # the dense linears; routed experts stay in bf16
+    # The linears at the matmul rate (float8's at FLOAT8_SPEEDUP times it; routed experts stay in
+    # bf16); causal attention does half the FLOPs counted (flops_per_token counts the full square)
+    # at ATTENTION_RATE times the matmul rate.
+    float8_share = 0.0
+    if L.float8:
         routed = 6 * model.top_k * experts / model.num_experts * (model.n_layers - model.n_dense_layers) if experts else 0.0
         float8_share = linear_share - routed / flops_per_token
-        linear_rate = gpu.fp8_flops * est.matmul_efficiency * FLOAT8_EFFICIENCY
-        compute = est.flops_per_gpu * (float8_share / linear_rate + (1 - float8_share) / rate)
-    else:
-        compute = est.flops_per_gpu / rate
-    recompute_share = {"none": 0.0, "op": 0.03, "full": 1 / 3}[L.ac]  # a forward is ~1/3 of forward + backward
+    float8_speedup = 1 + (FLOAT8_SPEEDUP - 1) * model.dim / (model.dim + FLOAT8_DIM_HALF)
+    # Context parallel's ring computes attention in chunks of seq / (2 cp) queries (head-tail), at the
+    # rate of GEMMs that short: it costs more the higher the degree.
+    chunk = seq_len / (2 * L.cp) if L.cp > 1 else seq_len
+    attention_rate = ATTENTION_RATE * rate * chunk / (chunk + M_HALF) / (tokens / (tokens + M_HALF))
+    compute = est.flops_per_gpu * (
+        float8_share / (float8_speedup * rate) + (linear_share - float8_share) / rate
+        + 0.5 * (1 - linear_share) / attention_rate
+    )
+    # Recomputed in backward: under full AC one more forward (1/3 of forward + backward); titanlite's
+    # op policy keeps every matmul (norms and elementwise ops rerun); TorchTitan's ("op_half")
+    # recomputes every second matmul, half the linears' forward.
+    recompute_share = {"none": 0.0, "op": 0.03, "op_half": linear_share / 6, "full": 1 / 3}[L.ac]
     est.time["compute"] = compute * (1 + recompute_share)
 
     def link(group_span: int) -> float:
@@ -209,10 +258,11 @@ def estimate(
         per_collective = tokens * model.dim * act_bytes * (L.tp - 1) / L.tp  # the TP group's gathered activation
         gathers = 2 * (0.5 if L.float8 else 1.0)  # float8 gathers move 1 byte per element
         volume = microbatches * blocks * per_collective * (gathers + 2 + 4)
-        est.time["tp"] = volume / link(L.tp)
-    # Pipeline: 1F1B bubble, (pp - 1) idle microbatch slots out of (microbatches + pp - 1).
+        est.time["tp"] = volume / link(L.tp) * (1 - TP_OVERLAP if L.tp_overlap else 1.0)
+    # Pipeline: the bubble of 1F1B, (pp - 1) idle microbatch slots beside the microbatches, which
+    # interleaving vp stages per rank divides by vp.
     if L.pp > 1:
-        est.time["pp bubble"] = est.time["compute"] * (L.pp - 1) / microbatches
+        est.time["pp bubble"] = est.time["compute"] * (L.pp - 1) / (L.vp * microbatches)
     # Context parallel: each rank passes k and v around the ring (and their gradients back);
     # it hides behind the attention compute of the same step.
     if L.cp > 1:
@@ -232,15 +282,120 @@ def estimate(
     return est
 
 
+def gpu_family(gpu: GPU) -> str:
+    """The SUSTAINED key of a GPU: its name without the variant (H100 96GB -> H100); GPU types no
+    published run measured take H100's."""
+    return next((family for family in SUSTAINED if gpu.name.startswith(family)), "H100")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A measured run of docs/published_runs.jsonl, as the planner sees it."""
+
+    id: str
+    name: str
+    model: ModelArgs
+    seq_len: int
+    global_batch: int
+    gpu: GPU
+    layout: Layout
+    power_watts: float | None
+    software: str
+    tokens_per_second_per_gpu: float
+    holdout: bool  # not used to fit the constants
+    excluded: str | None  # why the run is shown but neither fitted nor counted in the error
+
+    def estimate(self) -> Estimate:
+        return estimate(self.model, self.seq_len, self.global_batch, self.gpu, self.layout, power_watts=self.power_watts,
+                        software=self.software)
+
+    @property
+    def error(self) -> float:
+        """Predicted tokens/s per GPU over measured, minus 1."""
+        return self.estimate().tokens_per_second_per_gpu / self.tokens_per_second_per_gpu - 1
+
+
+def published_runs(path) -> list[PublishedRun]:
+    """The runs of a published_runs.jsonl: shapes (a non-gated MLP as the SwiGLU with its weights),
+    layouts (Megatron's data parallel with its distributed optimizer as ZeRO-1 replicas)."""
+    import json
+
+    from titanlite.hardware import find_gpu
+    from titanlite.models.args import MOE_FLAVORS
+
+    runs = []
+    for line in open(path):
+        r = json.loads(line)
+        if "flavor" in r:
+            model = MOE_FLAVORS[r["flavor"]]
+        else:
+            shape = r["shape"]
+            ffn = shape["ffn_hidden"] if shape["gated"] else 2 * shape["ffn_hidden"] // 3
+            model = ModelArgs(dim=shape["dim"], n_layers=shape["n_layers"], n_heads=shape["n_heads"], n_kv_heads=shape["n_kv_heads"],
+                              vocab_size=shape["vocab"], multiple_of=ffn, ffn_dim_multiplier=None)
+        dp = r["dp"]
+        data = dict(dp_shard=dp) if r["dp_kind"] == "fsdp" else dict(dp_replicate=dp, zero1=r["dp_kind"] == "zero1")
+        layout = Layout(tp=r["tp"], pp=r["pp"], vp=r["vp"], cp=r["cp"], ep=r["ep"], microbatch=r["microbatch"], ac=r["recompute"],
+                        float8=r["float8"], tp_overlap=r["tp_overlap"], **data)
+        runs.append(PublishedRun(
+            r["id"], f"{r['framework']} {r['model']}, {r['gpus']} {r['gpu']}", model, r["seq"], r["global_batch"], find_gpu(r["gpu"]),
+            # NeMo AutoModel trains with FSDP2, as TorchTitan does.
+            layout, r["power_w"], "torchtitan" if r["framework"] == "automodel" else r["framework"], r["tokens_per_s_per_gpu"],
+            r["holdout"], r.get("excluded"),
+        ))
+    return runs
+
+
+def mean_log_error(runs: list[PublishedRun]) -> float:
+    return sum(abs(math.log(1 + r.error)) for r in runs) / len(runs)
+
+
+def fit_constants(runs: list[PublishedRun], rounds: int = 10) -> dict:
+    """Set FITTED's constants to those that minimize the mean |log(predicted / measured)| over
+    `runs` (coordinate descent, relative steps of 20%, 5% and 1%); returns their values."""
+    module = sys.modules[__name__]
+    keys = []
+    for name in FITTED:
+        value = getattr(module, name)
+        keys += [(name, key) for key in value if not (name == "SOFTWARE" and key == "megatron")] if isinstance(value, dict) else [(name, None)]
+
+    def get(name, key):
+        return getattr(module, name)[key] if key else getattr(module, name)
+
+    def put(name, key, value):
+        if key:
+            getattr(module, name)[key] = value
+        else:
+            setattr(module, name, value)
+
+    best = mean_log_error(runs)
+    for _ in range(rounds):
+        for name, key in keys:
+            for step in (0.2, 0.05, 0.01):
+                while True:
+                    value = get(name, key)
+                    for candidate in (value * (1 + step), value * (1 - step)):
+                        put(name, key, candidate)
+                        loss = mean_log_error(runs)
+                        if loss < best - 1e-9:
+                            best = loss
+                            break
+                        put(name, key, value)
+                    else:
+                        break
+    return {name: getattr(module, name) for name in FITTED}
+
+
 def powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
 def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GPU, n_gpus: int,
                       float8: bool | None = None) -> list[Layout]:
-    """Layouts using all n_gpus: TP inside an NVLink domain and dividing the kv heads, PP up to 16
-    stages (at least 2 blocks each), CP for sequences of 8k and longer, HSDP across domains,
-    every microbatch size and AC mode; float8 where the GPU has it (None: both ways)."""
+    """Layouts titanlite can run on all n_gpus: TP inside an NVLink domain and dividing the kv heads
+    (async TP), PP up to 16 stages (at least 2 blocks each; 1, 2 or 4 per rank), CP for sequences of
+    8k and longer, HSDP across domains, every microbatch size and AC mode; float8 where the GPU has
+    it (None: both ways)."""
     float8_options = [False, True] if float8 is None else [float8]
     if gpu.fp8_flops == 0:
         float8_options = [False]
@@ -259,10 +414,13 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
             dp_shard = dp // dp_replicate
             eps = [1] + [cp * tp * d for d in powers_of_two(dp_shard)
                          if dp_shard % d == 0 and cp * tp * d > 1 and experts % (cp * tp * d) == 0] if experts > 1 else [1]
-            for microbatch, ac, f8, ep in product(powers_of_two(local_batch), ("none", "op", "full"), float8_options, eps):
+            # Interleaved schedules: up to 4 stages per rank, each at least 2 blocks.
+            vps = [vp for vp in (1, 2, 4) if pp > 1 and model.n_layers >= 2 * pp * vp] or [1]
+            for microbatch, ac, f8, ep, vp in product(powers_of_two(local_batch), ("none", "op", "full"), float8_options, eps, vps):
                 if local_batch % microbatch or (pp > 1 and local_batch // microbatch < pp):
                     continue
-                layouts.append(Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8))
+                # Under TP, with async TP (compiled, CUDA), whose collectives overlap the GEMMs.
+                layouts.append(Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8, vp, tp_overlap=tp > 1))
     return layouts
 
 
@@ -282,8 +440,30 @@ def breakdown(e: Estimate) -> str:
     return f"memory GiB: {memory} (total {e.memory_total / GIB:.1f} of {e.capacity / GIB:.0f}); step ms: {time}"
 
 
-def explain(fitting: list[Estimate], rejected: list[Estimate]) -> list[str]:
-    """Why the best layout wins: its costs, and what the nearest alternatives lose."""
+def outside_validation(e: Estimate, model: ModelArgs, seq_len: int) -> list[str]:
+    """Where a layout leaves the range the published runs cover (the constants are fitted there)."""
+    L, notes = e.layout, []
+    width = min(model.dim, model.ffn_hidden_dim) / L.tp
+    if width < VALIDATED["width"]:
+        notes.append(f"per-GPU matmul width {width:.0f} (dim / tp) is below the {VALIDATED['width']} of any published run")
+    if L.microbatch * seq_len / L.cp < VALIDATED["tokens"]:
+        notes.append(f"{L.microbatch * seq_len / L.cp:.0f} tokens per microbatch and GPU, fewer than the {VALIDATED['tokens']} of any "
+                     "published run")
+    if L.cp > VALIDATED["cp"]:
+        notes.append(f"context parallel {L.cp}: published runs go to cp {VALIDATED['cp']}")
+    return notes
+
+
+def differences(a: Layout, b: Layout) -> str:
+    """How layout b differs from a, in words."""
+    names = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP", "pp": "PP", "vp": "stages per PP rank", "cp": "CP",
+             "ep": "EP", "microbatch": "microbatch", "ac": "AC", "float8": "float8"}
+    return ", ".join(f"{label} {getattr(b, key)}" for key, label in names.items() if getattr(a, key) != getattr(b, key)) or "the same"
+
+
+def explain(fitting: list[Estimate], rejected: list[Estimate], model: ModelArgs | None = None, seq_len: int = 0) -> list[str]:
+    """Why the best layout wins: its costs, the layouts as fast as it, what the nearest alternatives
+    lose, and where it leaves the range the model was validated on."""
     if not fitting:
         closest = rejected[0]
         return [f"no layout fits: the smallest needs {closest.memory_total / GIB:.1f} GiB per GPU "
@@ -291,6 +471,13 @@ def explain(fitting: list[Estimate], rejected: list[Estimate]) -> list[str]:
     best = fitting[0]
     lines = [f"best: {best.layout.describe()}: {best.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, "
              f"MFU {100 * best.mfu:.1f}%", f"  {breakdown(best)}"]
+    if model is not None:
+        lines += [f"  caution: {note}" for note in outside_validation(best, model, seq_len)]
+    ties = [e for e in fitting[1:] if e.step_time <= best.step_time * 1.01]
+    if ties:
+        shown = "; ".join(differences(best.layout, e.layout) for e in ties[:3])
+        lines.append(f"  {len(ties)} more within 1% (the model cannot rank them; pick the least memory or the simplest), "
+                     f"e.g. with {shown}")
     for changed in ("tp", "pp", "ac", "float8", "cp", "ep"):
         rivals = [e for e in fitting[1:] if getattr(e.layout, changed) != getattr(best.layout, changed)]
         if not rivals:
