@@ -189,4 +189,4 @@ def test_plan_script_prints_the_published_comparison():
     script = REPO_RUNS.parent.parent / "scripts" / "plan.py"
     out = subprocess.run([sys.executable, str(script), "--published"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "held out: 20 runs, mean absolute error" in out.stdout and "| R104 |" in out.stdout
+    assert "held out: 24 runs, mean absolute error" in out.stdout and "| R104 |" in out.stdout

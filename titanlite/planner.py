@@ -44,16 +44,19 @@ GIB = 2**30
 # that large matmuls sustain in training, per GPU type; the per-GPU matmul width at which that
 # share halves; causal attention's rate relative to the matmuls'; float8's speedup of the linears
 # over bf16; the exponent of the power limit (clocks fall with it).
-SUSTAINED = {"A100": 0.814, "H100": 0.620, "H200": 0.624, "B200": 0.565, "GB200": 0.526}
-K_HALF = 164
-M_HALF = 563  # tokens per microbatch and GPU (the GEMMs' other dimension) at which efficiency halves
-ATTENTION_RATE = 0.80
+SUSTAINED = {"A100": 0.822, "H100": 0.626, "B200": 0.565, "GB200": 0.526}
+# GPU types with the same compute die as a measured one take its constant (H200 is held out of the
+# fit to check that); others take H100's, with a caution.
+SAME_DIE = {"H200": "H100", "H800": "H100", "H100": "H100", "A800": "A100", "A100": "A100"}
+K_HALF = 280
+M_HALF = 359  # tokens per microbatch and GPU (the GEMMs' other dimension) at which efficiency halves
+ATTENTION_RATE = 0.83
 FLOAT8_SPEEDUP = 1.84  # at large model widths; it grows with the width (casts and scales cost less per FLOP)
-FLOAT8_DIM_HALF = 3060  # the model width at which float8 has half its speedup
-POWER_EXPONENT = 0.77
+FLOAT8_DIM_HALF = 3000  # the model width at which float8 has half its speedup
+POWER_EXPONENT = 1.05
 # The frameworks' kernels and overlap, relative to Megatron-Core's (fitted the same way); titanlite
 # is planned as TorchTitan, whose kernels (torch.compile, SDPA) and FSDP2 it shares.
-SOFTWARE = {"megatron": 1.0, "torchtitan": 0.85, "llm-foundry": 0.867}
+SOFTWARE = {"megatron": 1.0, "torchtitan": 0.867, "llm-foundry": 0.858}
 # The share of compute time that prefetched FSDP / data-parallel collectives hide behind. Fitted
 # above 1: the compute time modelled is that of a step with no communication, and the kernels that
 # run beside collectives leave them more time than that.
@@ -98,6 +101,7 @@ class Layout:
 @dataclass
 class Estimate:
     layout: Layout
+    gpu_type: GPU | None = None
     memory: dict = field(default_factory=dict)  # bytes per GPU, by part
     time: dict = field(default_factory=dict)  # seconds per step, by part
     capacity: float = 0.0
@@ -161,7 +165,7 @@ def block_activation_elements(model: ModelArgs, tokens: float, layout: Layout) -
         + (3 * q + 2 * kv) / tp  # q, k, v, attention output, wo's input
         + ffn
     )
-    if layout.ac == "op":  # matmul and attention outputs; norms and elementwise ops are recomputed
+    if layout.ac in ("op", "op_half"):  # matmul and attention outputs (TorchTitan's policy: half the matmuls'; counted as all)
         return tokens * (d / tp + (q + q + 2 * kv) / tp + d + ffn_op)
     return tokens * full
 
@@ -179,7 +183,7 @@ def estimate(
     tokens = L.microbatch * seq_len / L.cp  # local tokens of one microbatch
     blocks = -(-model.n_layers // L.pp)
     params = stage_params(model, L.pp)
-    est = Estimate(L, capacity=gpu.hbm_bytes, peak=gpu.bf16_flops)
+    est = Estimate(L, gpu, capacity=gpu.hbm_bytes, peak=gpu.bf16_flops)
 
     # Memory. ZeRO-1: bf16 weights and fp32 gradients whole, the fp32 master weights and Adam's
     # moments sharded over the replicas (and cp, which Megatron's optimizer shards over too).
@@ -190,8 +194,13 @@ def estimate(
     gathered_blocks = blocks if L.pp > 1 else 2  # a pipeline stage keeps all its blocks gathered
     experts = expert_params(model)
     gathered_block = (model.block_params - experts) / L.tp + experts / L.ep  # EP ranks gather their own experts (whole)
-    est.memory["gathered"] = gathered_blocks * gathered_block * (act_bytes + 4) if fsdp > 1 else 0.0
-    in_flight = min(microbatches, L.pp)
+    sharded = fsdp > 1 and not L.zero1  # ZeRO-1 keeps the weights whole: nothing to gather
+    est.memory["gathered"] = gathered_blocks * gathered_block * (act_bytes + 4) if sharded else 0.0
+    # Microbatches whose activations a stage holds at once: pp under 1F1B; under an interleaved
+    # schedule the first rank's warm-up runs (vp - 1) pp + 2 (pp - 1) + 1 stage-forwards of
+    # blocks / vp blocks each before its first backward (torch's Interleaved1F1B).
+    warmup = (L.vp - 1) * L.pp + 2 * (L.pp - 1) + 1 if L.vp > 1 else L.pp
+    in_flight = min(microbatches * L.vp, warmup) / L.vp
     per_block = block_activation_elements(model, tokens, L) * act_bytes
     one_block = block_activation_elements(model, tokens, replace(L, ac="none")) * act_bytes
     # Backward of a block holds gradients shaped like its activations (and, under full AC, the
@@ -207,7 +216,7 @@ def estimate(
     est.flops_per_gpu = flops_per_token * est.tokens_per_gpu
     k = min(model.dim, model.ffn_hidden_dim) / L.tp
     power = min(1.0, power_watts / gpu.tdp_watts) ** POWER_EXPONENT if power_watts else 1.0
-    est.matmul_efficiency = SUSTAINED[gpu_family(gpu)] * SOFTWARE[software] * power * k / (k + K_HALF) * tokens / (tokens + M_HALF)
+    est.matmul_efficiency = SUSTAINED[gpu_family(gpu) or "H100"] * SOFTWARE[software] * power * k / (k + K_HALF) * tokens / (tokens + M_HALF)
     rate = gpu.bf16_flops * est.matmul_efficiency
     linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
     # The linears at the matmul rate (float8's at FLOAT8_SPEEDUP times it; routed experts stay in
@@ -239,7 +248,7 @@ def estimate(
     # FSDP: without PP, every microbatch all-gathers for forward and again for backward and
     # reduce-scatters fp32 gradients; a pipeline stage keeps its weights gathered across the step's
     # microbatches (gather once, reduce once), paid for in memory above.
-    if fsdp > 1:
+    if sharded:
         # Dense weights are gathered over fsdp; routed experts (whole, experts / ep per rank) over the
         # routing ranks outside EP, fsdp x tp / ep.
         moe_layers = blocks * (1 if experts else 0)
@@ -274,18 +283,22 @@ def estimate(
     if experts and L.ep > 1:
         volume = microbatches * blocks * 4 * tokens / L.tp * model.top_k * model.dim * act_bytes * (L.ep - 1) / L.ep
         est.time["ep all-to-all"] = volume / link(L.ep)
-    # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients, overlapping backward.
+    # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients, overlapping backward;
+    # ZeRO-1: a reduce-scatter of the whole gradients and an all-gather of the weights (the same
+    # volume) over the replicas x cp.
     if L.dp_replicate > 1:
-        volume = 2 * 4 * params / (L.tp * fsdp) * (L.dp_replicate - 1) / L.dp_replicate
+        group = L.dp_replicate * (L.cp if L.zero1 else 1)
+        volume = 2 * 4 * params / (L.tp * (1 if L.zero1 else fsdp)) * (group - 1) / group
         comm = volume / link(L.gpus)
         est.time["dp_replicate exposed"] = max(0.0, comm - 0.5 * est.time["compute"])
     return est
 
 
-def gpu_family(gpu: GPU) -> str:
-    """The SUSTAINED key of a GPU: its name without the variant (H100 96GB -> H100); GPU types no
-    published run measured take H100's."""
-    return next((family for family in SUSTAINED if gpu.name.startswith(family)), "H100")
+def gpu_family(gpu: GPU) -> str | None:
+    """The SUSTAINED key of a GPU (H100 96GB, H200 -> H100); None for a type no published run measured."""
+    if gpu.name in SUSTAINED:
+        return gpu.name
+    return next((family for name, family in SAME_DIE.items() if gpu.name.startswith(name)), None)
 
 
 @dataclass(frozen=True)
@@ -443,6 +456,8 @@ def breakdown(e: Estimate) -> str:
 def outside_validation(e: Estimate, model: ModelArgs, seq_len: int) -> list[str]:
     """Where a layout leaves the range the published runs cover (the constants are fitted there)."""
     L, notes = e.layout, []
+    if e.gpu_type is not None and gpu_family(e.gpu_type) is None:
+        notes.append(f"no published run measured a {e.gpu_type.name}: its efficiency is taken as an H100's")
     width = min(model.dim, model.ffn_hidden_dim) / L.tp
     if width < VALIDATED["width"]:
         notes.append(f"per-GPU matmul width {width:.0f} (dim / tp) is below the {VALIDATED['width']} of any published run")

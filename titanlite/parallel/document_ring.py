@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from titanlite.models.attention import DocumentMask
 
 SCORE_TILE_ELEMENTS = 2**26  # fp32 scores held at once: 256 MiB
-# torch 2.13 renamed these functional collectives (the old names warn); earlier releases have the old ones.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 @torch.library.custom_op("titanlite::document_ring", mutates_args=())
@@ -82,8 +78,9 @@ def document_ring_backward(
             travelling = grad_kv if travelling is None else pass_on(travelling, group) + grad_kv
     if rotate_method == "allgather":
         rank = dist.get_rank(group)
-        ordered = torch.stack([by_shard[(rank - i) % n] for i in range(n)])  # by the rank holding each shard
-        grad_kv = _reduce_scatter(ordered, "sum", 0, group)[0]
+        ordered = torch.cat([by_shard[(rank - i) % n] for i in range(n)])  # by the rank holding each shard
+        grad_kv = ordered.new_empty(by_shard[0].shape)
+        dist.reduce_scatter_tensor(grad_kv, ordered, group=group)
     else:
         grad_kv = pass_on(travelling, group) if n > 1 else travelling  # the last shard's sums go home
     # Copies: a custom op's outputs may not be views of one another.
@@ -110,23 +107,47 @@ document_ring.register_autograd(_backward, setup_context=_setup_context)
 
 def _visits(local: list[Tensor], group, rotate_method: str):
     """Yields, for j = 0 .. cp-1, the tensors of the shard of cp rank (rank - j) mod cp: all gathered
-    at once (allgather), or each passed on to the next rank while this one computes (alltoall)."""
+    at once (allgather), or each passed on to the next rank while this one computes (alltoall).
+    (Plain c10d collectives: the custom op hides them from torch.compile.)"""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if rotate_method == "allgather":
-        gathered = [_all_gather(t, 0, group).chunk(n) for t in local]
+        gathered = []
+        for t in local:
+            out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+            dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+            gathered.append(out.chunk(n))
         for j in range(n):
             yield [g[(rank - j) % n] for g in gathered]
         return
     for j in range(n):
-        following = [pass_on(t, group) for t in local] if j < n - 1 else None
+        transfer = _Pass(local, group) if j < n - 1 else None
         yield local
-        local = following
+        if transfer is not None:
+            local = transfer.wait()
+
+
+class _Pass:
+    """Sends tensors to the next cp rank and receives the previous rank's, asynchronously; the
+    tensors sent stay referenced here until wait()."""
+
+    def __init__(self, tensors: list[Tensor], group):
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        following, previous = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
+        self.sent = [t.contiguous() for t in tensors]
+        self.received = [torch.empty_like(t) for t in self.sent]
+        ops = [dist.P2POp(dist.isend, t, following, group) for t in self.sent]
+        ops += [dist.P2POp(dist.irecv, t, previous, group) for t in self.received]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.received
 
 
 def pass_on(t: Tensor, group) -> Tensor:
-    """Send `t` to the next cp rank; returns the previous rank's (permute_tensor takes 1-D tensors)."""
-    n = dist.get_world_size(group)
-    return funcol.permute_tensor(t.flatten(), [(i + 1) % n for i in range(n)], group).view(t.shape)
+    """Send `t` to the next cp rank; returns the previous rank's."""
+    return _Pass([t], group).wait()[0]
 
 
 def _grouped(t: Tensor, kv_heads: int) -> Tensor:

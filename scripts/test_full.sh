@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: the default (`python -m pytest -q`, under 20 minutes on 2 cores) plus the
+# extended parity matrix (tests marked `full`; about 4 minutes more).
+#   bash scripts/test_full.sh [pytest args]        PYTHON=... to pick the interpreter (default .venv/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-.venv/bin/python}" -m pytest -q -m "full or not full" "$@"
