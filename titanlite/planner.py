@@ -54,6 +54,9 @@ ATTENTION_RATE = 0.83
 FLOAT8_SPEEDUP = 1.84  # at large model widths; it grows with the width (casts and scales cost less per FLOP)
 FLOAT8_DIM_HALF = 3000  # the model width at which float8 has half its speedup
 POWER_EXPONENT = 1.05
+# Fitted to TorchTitan's CP series alone (8B and 405B, CP 2-8 at 64k-256k tokens; the runs added after
+# the main fit): each further ring round's cost, as a share of the attention.
+CP_ROUND = 0.12
 # The frameworks' kernels and overlap, relative to Megatron-Core's (fitted the same way); titanlite
 # is planned as TorchTitan, whose kernels (torch.compile, SDPA) and FSDP2 it shares.
 SOFTWARE = {"megatron": 1.0, "torchtitan": 0.867, "llm-foundry": 0.858}
@@ -69,7 +72,7 @@ TP_OVERLAP = 0.8
 GPU_OVERHEAD = 2 * GIB
 # The range the published runs cover: the smallest per-GPU matmul width (min(dim, ffn) / tp) and
 # tokens per microbatch and GPU among them, and the largest CP degree.
-VALIDATED = {"width": 1024, "tokens": 4096, "cp": 2}
+VALIDATED = {"width": 1024, "tokens": 4096, "cp": 8}
 
 
 @dataclass(frozen=True)
@@ -228,9 +231,11 @@ def estimate(
         float8_share = linear_share - routed / flops_per_token
     float8_speedup = 1 + (FLOAT8_SPEEDUP - 1) * model.dim / (model.dim + FLOAT8_DIM_HALF)
     # Context parallel's ring computes attention in chunks of seq / (2 cp) queries (head-tail), at the
-    # rate of GEMMs that short: it costs more the higher the degree.
+    # rate of GEMMs that short, and each of its cp - 1 further rounds (another KV shard, its merge
+    # into the output and log-sum-exp, forward and backward) costs CP_ROUND of the attention more.
     chunk = seq_len / (2 * L.cp) if L.cp > 1 else seq_len
     attention_rate = ATTENTION_RATE * rate * chunk / (chunk + M_HALF) / (tokens / (tokens + M_HALF))
+    attention_rate /= 1 + CP_ROUND * (L.cp - 1)
     compute = est.flops_per_gpu * (
         float8_share / (float8_speedup * rate) + (linear_share - float8_share) / rate
         + 0.5 * (1 - linear_share) / attention_rate
