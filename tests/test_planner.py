@@ -203,8 +203,9 @@ def test_every_dense_published_run_stays_within_its_pinned_error():
 
 
 def test_context_parallel_costs_more_the_higher_its_degree():
-    """The same tokens per GPU (seq / cp fixed) on 8 GPUs: each doubling of cp is slower per token."""
+    """8B at 128k tokens on 8 GPUs, the same work per GPU whatever cp x FSDP: each doubling of cp is
+    slower, CP 8 by a third or more (TorchTitan's CP series), not just by its shorter chunks."""
     h100, model = find_gpu("H100"), LLAMA3_FLAVORS["8B"]
-    rates = [estimate(model, 32768 * cp, 8 // cp, h100, Layout(dp_shard=8 // cp, cp=cp, ac="full")).tokens_per_second_per_gpu
+    rates = [estimate(model, 131072, 8, h100, Layout(dp_shard=8 // cp, cp=cp, ac="full")).tokens_per_second_per_gpu
              for cp in (1, 2, 4, 8)]
-    assert rates == sorted(rates, reverse=True) and rates[-1] < 0.5 * rates[0], rates
+    assert rates == sorted(rates, reverse=True) and rates[-1] < 0.7 * rates[0], rates
