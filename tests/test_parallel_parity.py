@@ -414,6 +414,7 @@ EXTENDED = {
     "cp4_alltoall_no_balance", "moe_ep2_tp2_etp2_aux", "moe_cp2_tp2_etp2", "moe_pp2_ep2_tp2", "moe_cp2_tp2_ep4_aux",
     "doc_cp2_fsdp2_compile", "pp2_gpipe", "tp2_ac_every_2nd_block", "moe_ep2_ac_full", "fsdp2_float8_rowwise",
     "cp2_allgather_no_balance", "moe_ep4_tp2_float8", "moe_hsdp2x2_ep2", "free_fsdp2_tp2", "moe_ep2_fsdp2_tp2",
+    "fsdp2_tp2_compile", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",
 }
 TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2
 FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4
