@@ -425,29 +425,15 @@ def cases(matrix: dict, extended: bool) -> dict:
 
 
 # One launch per world size: process start dominates on CPU.
-@pytest.mark.slow
-def test_parity_two_ranks(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), cases(TWO_RANKS, extended=False)))
-
-
-@pytest.mark.slow
-def test_parity_four_ranks(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 4, str(corpus_jsonl), str(tmp_path), cases(FOUR_RANKS, extended=False)))
-
-
-@pytest.mark.slow
-def test_parity_eight_ranks(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 8, str(corpus_jsonl), str(tmp_path), CASES_8))
-
-
-@pytest.mark.full
-def test_parity_two_ranks_extended(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 2, str(corpus_jsonl), str(tmp_path), cases(TWO_RANKS, extended=True)))
-
-
-@pytest.mark.full
-def test_parity_four_ranks_extended(corpus_jsonl, tmp_path):
-    check(run_distributed(run_cases, 4, str(corpus_jsonl), str(tmp_path), cases(FOUR_RANKS, extended=True)))
+@pytest.mark.parametrize("world, matrix, extended", [
+    pytest.param(2, TWO_RANKS, False, marks=pytest.mark.slow, id="two_ranks"),
+    pytest.param(4, FOUR_RANKS, False, marks=pytest.mark.slow, id="four_ranks"),
+    pytest.param(8, CASES_8, False, marks=pytest.mark.slow, id="eight_ranks"),
+    pytest.param(2, TWO_RANKS, True, marks=pytest.mark.full, id="two_ranks_extended"),
+    pytest.param(4, FOUR_RANKS, True, marks=pytest.mark.full, id="four_ranks_extended"),
+])
+def test_parity(world, matrix, extended, corpus_jsonl, tmp_path):
+    check(run_distributed(run_cases, world, str(corpus_jsonl), str(tmp_path), cases(matrix, extended)))
 
 
 def test_every_extended_case_exists():
