@@ -10,13 +10,17 @@ Memory per GPU (bytes):
                backward's working set (one block's activation gradients)
   overhead     runtime, allocator and communication buffers: a constant (GPU: 2 GiB; CPU: measured)
 
-Step time: the linears' FLOPs at a sustained share of the peak (per GPU type, per framework, under
-a power limit, narrower per-GPU matmuls and fewer tokens per microbatch slower; float8 faster the
-wider the model), causal attention at its own rate (CP's short chunks slower), recompute, plus the
-communication that cannot hide behind compute: FSDP all-gathers/reduce-scatters beyond what
-overlaps, TP collectives (most hidden with TP overlap), the pipeline bubble (interleaved stages
-shrink it), CP's ring exchange beyond the attention it overlaps, HSDP's cross-replica all-reduce,
-and for MoE models expert parallel's all-to-alls (not overlapped).
+Step time: the linears' FLOPs at a sustained share of the peak (per GPU type and framework, under a
+power limit, lower for small GEMMs: a GEMM's size is the harmonic sum of its dimensions, its
+arithmetic intensity; float8 faster, up to the GPU's float8/bf16 peak ratio, the larger the GEMM),
+causal attention at its own rate (CP's short chunks slower), the memory-bound elementwise work
+(norms, activations, RoPE, residuals: passes over each activation at HBM bandwidth, fewer when
+fused by torch.compile or Transformer Engine), recompute, the pipeline's busiest stage (the last
+one also runs the output), plus the communication that cannot hide behind compute: FSDP
+all-gathers/reduce-scatters beyond what overlaps, TP collectives (most hidden with TP overlap),
+the pipeline bubble (interleaved stages shrink it), CP's ring exchange beyond the attention it
+overlaps, HSDP's and ZeRO-1's gradient exchange beyond what overlaps, and for MoE models expert
+parallel's all-to-alls (not overlapped).
 
 Mixture of experts: FLOPs count the active parameters (a token's top-k experts); the routed experts
 are sharded like every weight (over ep x efsdp = dp_shard x cp x tp) but gathered by FSDP over efsdp
@@ -40,39 +44,37 @@ from titanlite.hardware import GPU
 from titanlite.models.args import ModelArgs, MoEArgs
 
 GIB = 2**30
-# Fitted to the published runs (scripts/plan.py --fit; docs/planner.md): the share of the bf16 peak
-# that large matmuls sustain in training, per GPU type; the per-GPU matmul width at which that
-# share halves; causal attention's rate relative to the matmuls'; float8's speedup of the linears
-# over bf16; the exponent of the power limit (clocks fall with it).
-SUSTAINED = {"A100": 0.822, "H100": 0.626, "B200": 0.565, "GB200": 0.526}
-# GPU types with the same compute die as a measured one take its constant (H200 is held out of the
-# fit to check that); others take H100's, with a caution.
+# Fitted to the published runs (scripts/plan.py --fit; docs/planner.md), one by one below.
+# The share of the bf16 peak that a GEMM of unbounded size would sustain in training, per GPU type.
+SUSTAINED = {"A100": 0.8823, "H100": 0.6413, "B200": 0.5801, "GB200": 0.5329}
+# GPU types with the same compute die as a measured one take its constant; others take H100's,
+# with a caution.
 SAME_DIE = {"H200": "H100", "H800": "H100", "H100": "H100", "A800": "A100", "A100": "A100"}
-K_HALF = 280
-M_HALF = 359  # tokens per microbatch and GPU (the GEMMs' other dimension) at which efficiency halves
-ATTENTION_RATE = 0.83
-FLOAT8_SPEEDUP = 1.84  # at large model widths; it grows with the width (casts and scales cost less per FLOP)
-FLOAT8_DIM_HALF = 3000  # the model width at which float8 has half its speedup
-POWER_EXPONENT = 1.05
-# Fitted to TorchTitan's CP series alone (8B and 405B, CP 2-8 at 64k-256k tokens; the runs added after
-# the main fit): each further ring round's cost, as a share of the attention.
-CP_ROUND = 0.12
-# The frameworks' kernels and overlap, relative to Megatron-Core's (fitted the same way); titanlite
-# is planned as TorchTitan, whose kernels (torch.compile, SDPA) and FSDP2 it shares.
-SOFTWARE = {"megatron": 1.0, "torchtitan": 0.867, "llm-foundry": 0.858}
-# The share of compute time that prefetched FSDP / data-parallel collectives hide behind. Fitted
-# above 1: the compute time modelled is that of a step with no communication, and the kernels that
-# run beside collectives leave them more time than that.
-FSDP_OVERLAP = 1.09
-FITTED = ("SUSTAINED", "K_HALF", "M_HALF", "ATTENTION_RATE", "FLOAT8_SPEEDUP", "FLOAT8_DIM_HALF", "POWER_EXPONENT", "SOFTWARE",
-          "FSDP_OVERLAP")
+GEMM_HALF = 96.86  # the GEMM size (FLOPs per element moved) at which that share halves
+ATTENTION_RATE = 0.5453  # causal attention's rate relative to the matmuls'
+FLOAT8_HALF = 1178  # the GEMM size at which float8 has half its speedup (casts and scales cost less per FLOP in larger ones)
+ELEMENTWISE_PASSES = 14.15  # reads and writes of each activation per block, forward and backward, unfused
+POWER_EXPONENT = 0.4186  # throughput under a power limit P: (P / TDP) ** POWER_EXPONENT
+CP_ROUND = 0.08505  # each further CP ring round's cost, as a share of the attention
+# The frameworks' kernels and overlap, relative to Megatron-Core's; titanlite is planned as
+# TorchTitan, whose kernels (torch.compile, SDPA) and FSDP2 it shares.
+SOFTWARE = {"megatron": 1, "torchtitan": 0.8362, "llm-foundry": 0.9157}
+# The share of compute time that prefetched data-parallel collectives hide behind. Fitted above 1:
+# the compute time modelled is that of a step with no communication, and the kernels that run
+# beside collectives leave them more time than that.
+FSDP_OVERLAP = 1.163
+FITTED = ("SUSTAINED", "GEMM_HALF", "ATTENTION_RATE", "FLOAT8_HALF", "ELEMENTWISE_PASSES", "CP_ROUND",
+          "POWER_EXPONENT", "SOFTWARE", "FSDP_OVERLAP")
 # Stated, not fitted: the share of TP collectives hidden where TP communication overlaps its GEMMs
 # (Megatron's tp_comm_overlap, torch's async TP).
 TP_OVERLAP = 0.8
+# Stated: a fused block (torch.compile's kernels, Transformer Engine's fused norms, activations and
+# RoPE in Megatron) reads each activation once and writes it once in forward, and again in backward.
+FUSED_PASSES = 4
 GPU_OVERHEAD = 2 * GIB
 # The range the published runs cover: the smallest per-GPU matmul width (min(dim, ffn) / tp) and
 # tokens per microbatch and GPU among them, and the largest CP degree.
-VALIDATED = {"width": 1024, "tokens": 4096, "cp": 8}
+VALIDATED = {"width": 512, "tokens": 2048, "cp": 8}
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class Layout:
     vp: int = 1  # pipeline stages per pp rank (interleaved schedules)
     tp_overlap: bool = False  # TP collectives overlap their GEMMs (async TP)
     zero1: bool = False  # dp_replicate ranks shard the optimizer states (Megatron's distributed optimizer)
+    compile: bool = False  # per-block torch.compile (TorchTitan's and titanlite's)
 
     @property
     def gpus(self) -> int:
@@ -97,7 +100,8 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{name} {v}" for name, v in [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp),
                                                ("pp", self.pp), ("vp", self.vp), ("cp", self.cp), ("ep", self.ep)] if v > 1] or ["1 GPU"]
-        flags = [name for name, on in (("float8", self.float8), ("TP overlap", self.tp_overlap), ("ZeRO-1", self.zero1)) if on]
+        flags = [name for name, on in (("float8", self.float8), ("TP overlap", self.tp_overlap), ("ZeRO-1", self.zero1),
+                                       ("compile", self.compile)) if on]
         return ", ".join(parts) + f"; microbatch {self.microbatch}; AC {self.ac}" + "".join(f"; {f}" for f in flags)
 
 
@@ -217,24 +221,32 @@ def estimate(
     est.tokens_per_gpu = global_batch * seq_len / (dp * L.tp * L.cp * L.pp)
     flops_per_token = model.flops_per_token(seq_len)
     est.flops_per_gpu = flops_per_token * est.tokens_per_gpu
-    k = min(model.dim, model.ffn_hidden_dim) / L.tp
+
+    def gemm(m: float) -> float:
+        """A layer's GEMM size: the harmonic sum of its three dimensions (the model width, the narrower
+        tp shard of a weight, m tokens); the share of peak a GEMM reaches grows with it."""
+        return 1 / (1 / model.dim + L.tp / min(model.dim, model.ffn_hidden_dim) + 1 / m)
+
+    def saturation(m: float) -> float:
+        return gemm(m) / (gemm(m) + GEMM_HALF)
+
     power = min(1.0, power_watts / gpu.tdp_watts) ** POWER_EXPONENT if power_watts else 1.0
-    est.matmul_efficiency = SUSTAINED[gpu_family(gpu) or "H100"] * SOFTWARE[software] * power * k / (k + K_HALF) * tokens / (tokens + M_HALF)
+    est.matmul_efficiency = SUSTAINED[gpu_family(gpu) or "H100"] * SOFTWARE[software] * power * saturation(tokens)
     rate = gpu.bf16_flops * est.matmul_efficiency
     linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
-    # The linears at the matmul rate (float8's at FLOAT8_SPEEDUP times it; routed experts stay in
+    # The linears at the matmul rate (float8's faster by float8_speedup; routed experts stay in
     # bf16); causal attention does half the FLOPs counted (flops_per_token counts the full square)
     # at ATTENTION_RATE times the matmul rate.
     float8_share = 0.0
     if L.float8:
         routed = 6 * model.top_k * experts / model.num_experts * (model.n_layers - model.n_dense_layers) if experts else 0.0
         float8_share = linear_share - routed / flops_per_token
-    float8_speedup = 1 + (FLOAT8_SPEEDUP - 1) * model.dim / (model.dim + FLOAT8_DIM_HALF)
+    float8_speedup = 1 + (gpu.fp8_flops / gpu.bf16_flops - 1) * gemm(tokens) / (gemm(tokens) + FLOAT8_HALF)
     # Context parallel's ring computes attention in chunks of seq / (2 cp) queries (head-tail), at the
     # rate of GEMMs that short, and each of its cp - 1 further rounds (another KV shard, its merge
     # into the output and log-sum-exp, forward and backward) costs CP_ROUND of the attention more.
     chunk = seq_len / (2 * L.cp) if L.cp > 1 else seq_len
-    attention_rate = ATTENTION_RATE * rate * chunk / (chunk + M_HALF) / (tokens / (tokens + M_HALF))
+    attention_rate = ATTENTION_RATE * rate * saturation(chunk) / saturation(tokens)
     attention_rate /= 1 + CP_ROUND * (L.cp - 1)
     compute = est.flops_per_gpu * (
         float8_share / (float8_speedup * rate) + (linear_share - float8_share) / rate
@@ -244,7 +256,20 @@ def estimate(
     # op policy keeps every matmul (norms and elementwise ops rerun); TorchTitan's ("op_half")
     # recomputes every second matmul, half the linears' forward.
     recompute_share = {"none": 0.0, "op": 0.03, "op_half": linear_share / 6, "full": 1 / 3}[L.ac]
-    est.time["compute"] = compute * (1 + recompute_share)
+    # Memory-bound work at HBM bandwidth: the activations a block makes per token (two norm outputs,
+    # q and the attention output, k and v, SwiGLU's three), each read and written `passes` times.
+    q = model.n_heads * model.head_dim
+    elements = (2 * model.dim + 2 * q + 2 * model.kv_dim + 3 * model.ffn_hidden_dim) / L.tp
+    passes = FUSED_PASSES if L.compile or software == "megatron" else ELEMENTWISE_PASSES
+    elementwise = microbatches * tokens * blocks * elements * act_bytes * passes / gpu.hbm_bandwidth
+    est.time["compute"] = (compute + elementwise) * (1 + recompute_share)
+    if L.pp > 1:
+        # The last stage also runs the output projection, so the pipeline moves at the pace of its
+        # busiest rank. Splits give the last rank fewer blocks for it (Megatron's
+        # account_for_loss_in_pipeline_split, TorchTitan's uneven splits): the best such split.
+        output = 6 * model.vocab_size * model.dim / ((flops_per_token - 6 * model.vocab_size * model.dim) / model.n_layers)
+        busiest = min(max(-(-(model.n_layers - k) // (L.pp - 1)), k + output) for k in range(blocks + 1))
+        est.time["compute"] *= busiest / ((model.n_layers + output) / L.pp)
 
     def link(group_span: int) -> float:
         """Per-GPU bandwidth of a collective whose group spans `group_span` consecutive ranks."""
@@ -288,14 +313,16 @@ def estimate(
     if experts and L.ep > 1:
         volume = microbatches * blocks * 4 * tokens / L.tp * model.top_k * model.dim * act_bytes * (L.ep - 1) / L.ep
         est.time["ep all-to-all"] = volume / link(L.ep)
-    # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients, overlapping backward;
-    # ZeRO-1: a reduce-scatter of the whole gradients and an all-gather of the weights (the same
-    # volume) over the replicas x cp.
+    # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients, overlapping backward (2/3
+    # of the compute); ZeRO-1: a reduce-scatter of the whole gradients overlapping backward and an
+    # all-gather of the weights overlapping the next forward (Megatron's overlap_grad_reduce and
+    # overlap_param_gather; the same volume) over the replicas x cp.
     if L.dp_replicate > 1:
         group = L.dp_replicate * (L.cp if L.zero1 else 1)
         volume = 2 * 4 * params / (L.tp * (1 if L.zero1 else fsdp)) * (group - 1) / group
         comm = volume / link(L.gpus)
-        est.time["dp_replicate exposed"] = max(0.0, comm - 0.5 * est.time["compute"])
+        hidden = FSDP_OVERLAP * est.time["compute"] * (1 if L.zero1 else 2 / 3)
+        est.time["dp_replicate exposed"] = max(comm / max(blocks, 1), comm - hidden)
     return est
 
 
@@ -354,7 +381,7 @@ def published_runs(path) -> list[PublishedRun]:
         dp = r["dp"]
         data = dict(dp_shard=dp) if r["dp_kind"] == "fsdp" else dict(dp_replicate=dp, zero1=r["dp_kind"] == "zero1")
         layout = Layout(tp=r["tp"], pp=r["pp"], vp=r["vp"], cp=r["cp"], ep=r["ep"], microbatch=r["microbatch"], ac=r["recompute"],
-                        float8=r["float8"], tp_overlap=r["tp_overlap"], **data)
+                        float8=r["float8"], tp_overlap=r["tp_overlap"], compile=r.get("compile", False), **data)
         runs.append(PublishedRun(
             r["id"], f"{r['framework']} {r['model']}, {r['gpus']} {r['gpu']}", model, r["seq"], r["global_batch"], find_gpu(r["gpu"]),
             # NeMo AutoModel trains with FSDP2, as TorchTitan does.
@@ -364,13 +391,16 @@ def published_runs(path) -> list[PublishedRun]:
     return runs
 
 
-def mean_log_error(runs: list[PublishedRun]) -> float:
-    return sum(abs(math.log(1 + r.error)) for r in runs) / len(runs)
+def fit_loss(runs: list[PublishedRun]) -> float:
+    """What the fit minimizes: the mean |log(predicted / measured)|, plus half the worst one (a plan is
+    judged by its worst miss as well as its typical one)."""
+    errors = [abs(math.log(1 + r.error)) for r in runs]
+    return sum(errors) / len(errors) + 0.5 * max(errors)
 
 
 def fit_constants(runs: list[PublishedRun], rounds: int = 10) -> dict:
-    """Set FITTED's constants to those that minimize the mean |log(predicted / measured)| over
-    `runs` (coordinate descent, relative steps of 20%, 5% and 1%); returns their values."""
+    """Set FITTED's constants to those that minimize `fit_loss` over `runs` (coordinate descent from
+    the current values, relative steps of 20%, 5% and 1%); returns their values."""
     module = sys.modules[__name__]
     keys = []
     for name in FITTED:
@@ -386,7 +416,7 @@ def fit_constants(runs: list[PublishedRun], rounds: int = 10) -> dict:
         else:
             setattr(module, name, value)
 
-    best = mean_log_error(runs)
+    best = fit_loss(runs)
     for _ in range(rounds):
         for name, key in keys:
             for step in (0.2, 0.05, 0.01):
@@ -394,7 +424,7 @@ def fit_constants(runs: list[PublishedRun], rounds: int = 10) -> dict:
                     value = get(name, key)
                     for candidate in (value * (1 + step), value * (1 - step)):
                         put(name, key, candidate)
-                        loss = mean_log_error(runs)
+                        loss = fit_loss(runs)
                         if loss < best - 1e-9:
                             best = loss
                             break
@@ -437,8 +467,10 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
             for microbatch, ac, f8, ep, vp in product(powers_of_two(local_batch), ("none", "op", "full"), float8_options, eps, vps):
                 if local_batch % microbatch or (pp > 1 and local_batch // microbatch < pp):
                     continue
-                # Under TP, with async TP (compiled, CUDA), whose collectives overlap the GEMMs.
-                layouts.append(Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8, vp, tp_overlap=tp > 1))
+                # Compiled per block (fused elementwise kernels), and under TP with async TP (which
+                # needs compile), whose collectives overlap the GEMMs.
+                layouts.append(Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8, vp, tp_overlap=tp > 1,
+                                      compile=True))
     return layouts
 
 
@@ -511,8 +543,8 @@ def explain(fitting: list[Estimate], rejected: list[Estimate], model: ModelArgs 
                      + (", ".join(reasons) or "same costs within 2%"))
         if changed == "tp":
             lines.append(f"     matmul efficiency {100 * best.matmul_efficiency:.0f}% of peak at tp {best.layout.tp} vs "
-                         f"{100 * rival.matmul_efficiency:.0f}% at tp {rival.layout.tp} (per-GPU matmul width "
-                         f"dim/tp); TP traffic per GPU does not shrink with tp while compute does")
+                         f"{100 * rival.matmul_efficiency:.0f}% at tp {rival.layout.tp} (each GPU's GEMMs shrink with tp); "
+                         "TP traffic per GPU does not shrink with tp while compute does")
     if rejected:
         lines.append(f"  {len(rejected)} layouts do not fit, e.g. {rejected[-1].layout.describe()} needs "
                      f"{rejected[-1].memory_total / GIB:.0f} GiB")
