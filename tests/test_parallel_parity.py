@@ -138,7 +138,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         for i in range(trainer.accumulation_steps):
             start = (i * trainer.dp_degree + trainer.dp_rank) * t.local_batch_size
             microbatches.append((inputs[start : start + t.local_batch_size], labels[start : start + t.local_batch_size]))
-        loss = trainer.compute_gradients(microbatches)
+        loss = trainer.global_loss(trainer.compute_gradients(microbatches))
         # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
         # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
         rows = t.local_batch_size if config.float8 else len(inputs)
@@ -156,7 +156,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
                 # near-zero gradients into visible weight differences (even between two 1-process runs).
                 p.grad = as_laid_out(ref.grad, p)
 
-        grad_norm = trainer.apply_gradients()
+        grad_norm = trainer.apply_gradients().item()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), t.max_norm).item()
         record("grad_norm", abs(grad_norm - ref_norm) / ref_norm, f"step {step}")
         ref_opt.step()

@@ -27,19 +27,24 @@ def _nonfinite_grad(dataset: str, folder: str, overrides: list[str]) -> list:
 
     trainer = Trainer(parse_args(tiny_args(dataset, folder, *overrides)), torch.device("cpu"))
     outcomes = []
-    for _ in range(2):
-        loss = trainer.compute_gradients(_batch(trainer))
+    for step in range(2):
+        trainer.step = step
+        loss = trainer.global_loss(trainer.compute_gradients(_batch(trainer)))
         params = trainer.parameters()
         params[3].grad.view(-1)[0] = float("nan")  # a finite loss, one bad gradient entry
         before = [p.detach().clone() for p in params]
+        outcome = checked = "finite"
         try:
             trainer.apply_gradients()
             outcome = "stepped"
+            trainer.check_finite()  # what a log or checkpoint step asks
         except TrainingDiverged as e:
-            outcome = str(e)
+            checked = str(e) if outcome == "stepped" else checked
+            outcome = outcome if outcome == "stepped" else str(e)
         outcomes.append({
             "loss_finite": loss == loss,
             "outcome": outcome,
+            "checked": checked,
             "weights_unchanged": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
             "adam_steps": len(trainer.optimizers[0].state),
             "lr_schedule_step": trainer.lr_schedulers[0].last_epoch,
@@ -49,21 +54,47 @@ def _nonfinite_grad(dataset: str, folder: str, overrides: list[str]) -> list:
     return outcomes
 
 
-def test_a_nonfinite_grad_norm_stops_the_run(corpus_jsonl, tmp_path):
-    (outcomes,) = run_distributed(_nonfinite_grad, 1, str(corpus_jsonl), str(tmp_path), [])
-    first = outcomes[0]
-    assert first["loss_finite"] and "grad norm is nan at step 0; training stopped" in first["outcome"], first
-    assert "skip_nonfinite_steps" in first["outcome"] and first["weights_unchanged"] and first["adam_steps"] == 0
+def test_a_nonfinite_grad_norm_stops_the_run_at_the_next_check(corpus_jsonl, tmp_path):
+    """Without skipping, the step is not held up by a wait for the norm: the device keeps the first bad
+    step's number, and the next log or checkpoint step stops the run naming it."""
+    first, second = run_distributed(_nonfinite_grad, 1, str(corpus_jsonl), str(tmp_path), [])[0]
+    assert first["loss_finite"] and first["outcome"] == "stepped", first
+    assert "grad norm is not finite at step 0; training stopped at step 0" in first["checked"], first
+    assert "skip_nonfinite_steps" in first["checked"]
+    assert "not finite at step 0; training stopped at step 1" in second["checked"], second  # the first bad step
 
 
-def test_skip_nonfinite_steps_skips_and_counts_up_to_its_limit(corpus_jsonl, tmp_path):
-    skip = ["--training.skip_nonfinite_steps", "--training.max_skipped_steps", "1"]
-    (outcomes,) = run_distributed(_nonfinite_grad, 1, str(corpus_jsonl), str(tmp_path), skip)
-    first, second = outcomes
-    # Skipped: no weight moved, AdamW holds no state, the lr schedule did not advance, grads are cleared.
-    assert first == {"loss_finite": True, "outcome": "stepped", "weights_unchanged": True, "adam_steps": 0,
-                     "lr_schedule_step": 0, "grads_cleared": True, "skipped": 1}, first
-    assert "2 steps skipped, more than training.max_skipped_steps=1" in second["outcome"], second
+def _diverge_at_step_3(dataset: str, folder: str) -> dict:
+    from titanlite.config import parse_args
+    from titanlite.train import Trainer, TrainingDiverged
+
+    args = tiny_args(dataset, folder, "--checkpoint.enable", "--checkpoint.interval", "1", "--metrics.log_freq", "10",
+                     "--training.steps", "6")
+    trainer = Trainer(parse_args(args), torch.device("cpu"))
+    real = trainer.compute_gradients
+
+    def compute_gradients(microbatches):
+        loss = real(microbatches)
+        if trainer.step == 3:
+            trainer.parameters()[3].grad.view(-1)[0] = float("nan")
+        return loss
+
+    trainer.compute_gradients = compute_gradients
+    try:
+        trainer.train()
+        error = None
+    except TrainingDiverged as e:
+        error = str(e)
+    trainer.checkpointer.wait()
+    return {"error": error, "saved": sorted(p.name for p in trainer.checkpointer.folder.iterdir() if p.name.startswith("step-"))}
+
+
+def test_a_nonfinite_step_is_never_saved(corpus_jsonl, tmp_path):
+    """Checkpoint steps check the device's flag first: the run stops at step 3, whose update touched
+    the weights, and the last checkpoint is step 2's."""
+    (outcome,) = run_distributed(_diverge_at_step_3, 1, str(corpus_jsonl), str(tmp_path))
+    assert outcome["error"] and "not finite at step 3; training stopped at step 3" in outcome["error"], outcome
+    assert outcome["saved"] == ["step-1", "step-2"], outcome
 
 
 def _tp_norm_grad_reductions(dataset: str, folder: str) -> dict:

@@ -269,10 +269,14 @@ class Checkpointer:
 
     # ---- save ----
 
+    def due(self, step: int, last: bool) -> bool:
+        """Whether `maybe_save` saves at this step."""
+        first = step == 1 and self.c.enable_first_step_checkpoint
+        return self.c.enable and not self.c.load_only and (step % self.c.interval == 0 or last or first)
+
     def maybe_save(self, step: int, last: bool) -> None:
         self.finalize_if_done()
-        first = step == 1 and self.c.enable_first_step_checkpoint
-        if not self.c.enable or self.c.load_only or not (step % self.c.interval == 0 or last or first):
+        if not self.due(step, last):
             return
         model_only = last and self.c.last_save_model_only
         self.save(step, model_only=model_only, asynchronous=self.c.async_mode != "disabled" and not last,

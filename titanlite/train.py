@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import itertools
 import json
-import math
 import os
 import socket
 import sys
@@ -43,8 +42,6 @@ from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enab
 from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
 from titanlite.profiling import Profiler
 from titanlite.torchrun import start_attempt, write_error
-
-IGNORE_INDEX = -100
 
 
 class TrainingDiverged(RuntimeError):
@@ -139,8 +136,8 @@ def set_collective_timeout(seconds: int, keep=()) -> None:
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed over valid tokens; the caller divides by the global count of valid tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
+    """Summed over tokens; the caller divides by the global token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -214,7 +211,8 @@ class Trainer:
                 for module in part.modules():
                     module._buffers.update({k: v.to(device) for k, v in module._buffers.items() if v is not None})
             part.train()
-        self.loss_scale = torch.ones((), device=device)  # the global token count of the current step
+        self.loss_scale = 1  # the global token count of the current step
+        self.first_nonfinite_step = torch.full((), -1, device=device)  # -1: every grad norm so far is finite
         self.pp_schedule = None
         if self.dims.pp_enabled:
             self.pp_schedule = build_schedule(config, self.model_parts, self.stage_ids, n_stages, self.dims, device, self.loss_fn)
@@ -303,26 +301,25 @@ class Trainer:
                     self.pp_schedule.eval(*args, target=target, losses=losses, **token_inputs)
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over the microbatches. Returns (global mean loss, grad norm)."""
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the microbatches. Returns (this rank's part of the global mean loss,
+        grad norm), both on the device: nothing here waits for the device."""
         loss = self.compute_gradients(microbatches)
-        if not math.isfinite(loss) and not self.config.training.skip_nonfinite_steps:
-            raise TrainingDiverged(
-                f"loss is {loss} at step {self.step}; training stopped. Lower optimizer.lr, raise "
-                "lr_scheduler.warmup_steps or check the data"
-            )
         return loss, self.apply_gradients()
 
-    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Forward/backward every microbatch; returns the global mean loss over all ranks' tokens."""
+    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward/backward every microbatch; returns this rank's part of the global mean loss (on the
+        device; `global_loss` sums the parts)."""
         # Dividing each rank's summed loss by the global token count makes the summed gradients
-        # the gradient of the global mean, whatever the dp degree and accumulation steps.
-        global_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
-        dist.all_reduce(global_tokens, group=self.batch_group)
-        self.loss_scale = global_tokens
+        # the gradient of the global mean, whatever the dp degree and accumulation steps. Every label
+        # counts (the loader packs full windows, no padding), so every rank knows the count: no collective.
+        self.loss_scale = sum(labels.numel() for _, labels in microbatches) * self.dp_degree
         self.before_step()
-        loss = sum(self.forward(x, y, backward=True) for x, y in microbatches)
-        return self.reduce_loss(loss).item()
+        return sum(self.forward(x, y, backward=True) for x, y in microbatches)
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The global mean loss from every rank's part (a collective, and a wait for the device: log steps only)."""
+        return self.reduce_loss(loss.clone()).item()
 
     def before_step(self) -> None:
         for converter in self.converters:
@@ -335,44 +332,51 @@ class Trainer:
             dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank adds a nonzero
         return loss
 
-    def apply_gradients(self) -> float:
-        """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm. A grad
-        norm that is not finite stops the run, or with training.skip_nonfinite_steps skips the step."""
+    def apply_gradients(self) -> torch.Tensor:
+        """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm (on the
+        device). A grad norm that is not finite is kept as the step's number on the device, and
+        `check_finite` (log and checkpoint steps) stops the run there. With training.skip_nonfinite_steps
+        the step is skipped instead, which needs the norm on the host: one wait for the device a step."""
         params = self.parameters()
         reduce_partial_grads(params)
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, self.pp_group).item()
-        finite = math.isfinite(grad_norm)
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, self.pp_group)
+        finite = torch.isfinite(grad_norm)
+        skip = self.config.training.skip_nonfinite_steps and not bool(finite)
         for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
-            if finite:
+            if not skip:
                 opt.step()
                 scheduler.step()
             opt.zero_grad(set_to_none=True)
         if self.is_moe:
-            self.balance_experts(update_bias=finite)
-        if not finite:
-            self.skip_step(grad_norm)
+            self.balance_experts(finite)
+        if skip:
+            self.skip_step(grad_norm.item())
+        else:
+            self.first_nonfinite_step.masked_fill_(~finite & (self.first_nonfinite_step < 0), self.step)
         return grad_norm
 
-    def balance_experts(self, update_bias: bool) -> None:
+    def check_finite(self) -> None:
+        """Stop the run if a step's grad norm was not finite (reads the device's flag: a wait)."""
+        step = int(self.first_nonfinite_step)
+        if step >= 0:
+            raise TrainingDiverged(
+                f"grad norm is not finite at step {step}; training stopped at step {self.step}, before logging "
+                "or saving. Lower optimizer.lr or training.max_norm, check the data, or set "
+                "training.skip_nonfinite_steps=true to skip such steps"
+            )
+
+    def balance_experts(self, finite: torch.Tensor) -> None:
         """MoE: the step's tokens per expert and aux loss, summed over the ranks that routed different
-        tokens (one all-reduce); the expert bias moves towards balance (not after a skipped step).
-        The sums stay on the device for the log."""
+        tokens (one all-reduce); the expert bias moves towards balance, not after a step whose grad norm
+        is not finite (`finite`, on the device). The sums stay on the device for the log."""
         counts, aux = global_balance(self.moe_layers, self.routing_group)
-        if not update_bias:
-            counts.zero_()  # leaves the bias where it is
-        update_expert_bias(self.moe_layers, counts)
-        if update_bias:
-            self.balance = counts, aux
+        update_expert_bias(self.moe_layers, counts * finite)  # zero counts leave the bias where it is
+        self.balance = counts, aux
 
     def skip_step(self, grad_norm: float) -> None:
         """A step whose gradients are not finite: the optimizer and lr schedule did not move."""
         t = self.config.training
         where = f"grad norm is {grad_norm} at step {self.step}"
-        if not t.skip_nonfinite_steps:
-            raise TrainingDiverged(
-                f"{where}; training stopped. Lower optimizer.lr or training.max_norm, check the data, or set "
-                "training.skip_nonfinite_steps=true to skip such steps"
-            )
         self.skipped_steps += 1
         log_line(f"{where}: optimizer step skipped ({self.skipped_steps} skipped so far)")
         if self.skipped_steps > t.max_skipped_steps:
@@ -383,7 +387,7 @@ class Trainer:
 
     def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = [next(data_iter) for _ in range(self.accumulation_steps)]
-        return [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -392,8 +396,8 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
-        self.loss_scale = torch.ones((), device=self.device)  # summed losses
-        loss_sum, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        self.loss_scale = 1  # summed losses
+        loss_sum, tokens = torch.zeros((), device=self.device), 0
         batches = iter(loader)
         for _ in itertools.count() if v.steps == -1 else range(v.steps):
             batch = next(batches, None)
@@ -403,9 +407,8 @@ class Trainer:
                 break
             x, y = (b.to(self.device) for b in batch)
             loss_sum += self.forward(x, y, backward=False).float()
-            tokens += (y != IGNORE_INDEX).sum()
+            tokens += y.numel() * self.dp_degree  # counted before any sequence split, as every rank's
         loss_sum = self.reduce_loss(loss_sum)
-        dist.all_reduce(tokens, group=self.batch_group)  # counted before any sequence split
         for part in self.model_parts:
             part.train()
         if tokens == 0:
@@ -473,7 +476,7 @@ class Trainer:
         gc.disable()  # collect at fixed steps instead, so ranks don't stall at different times
         gc.collect()
         data_iter = iter(self.dataloader)
-        loss = grad_norm = float("nan")
+        loss = float("nan")
         self.profiler = Profiler(self.config, dist.get_rank(), self.device)
         first_step, first_tokens = self.step + 1, self.tokens_seen
         while self.step < t.steps:
@@ -485,17 +488,23 @@ class Trainer:
             data_start = time.perf_counter()
             microbatches = self.next_microbatches(data_iter)
             data_seconds = time.perf_counter() - data_start
-            loss, grad_norm = self.train_step(microbatches)
+            local_loss, grad_norm = self.train_step(microbatches)
             self.tokens_seen += tokens_per_step * self.dp_degree
             self.metrics.record_step(tokens_per_step, data_seconds)
-            if self.step == 1 or self.step % m.log_freq == 0 or self.step == t.steps:
+            last = self.step == t.steps
+            # Only log, validation and checkpoint steps wait for the device (and reduce the loss).
+            if self.step == 1 or self.step % m.log_freq == 0 or last:
+                self.check_finite()
+                loss = self.global_loss(local_loss)
                 lr = self.lr_schedulers[0].get_last_lr()[0]
                 skipped = self.skipped_steps if t.skip_nonfinite_steps else None
-                self.metrics.log(self.step, loss, grad_norm, lr, self.tokens_seen, skipped, self.stage_balance())
+                self.metrics.log(self.step, loss, grad_norm.item(), lr, self.tokens_seen, skipped, self.stage_balance())
             if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
                 self.metrics.log_validation(self.step, self.validate())
                 self.metrics.reset()  # keep evaluation time out of the next throughput window
-            self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
+            if self.checkpointer.due(self.step, last):
+                self.check_finite()  # never save weights a non-finite step has touched
+            self.checkpointer.maybe_save(self.step, last)
             self.profiler.after_step(self.step)
             if self.step == first_step:
                 self.shorten_collective_timeout()
