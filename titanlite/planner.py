@@ -46,14 +46,14 @@ from titanlite.models.args import ModelArgs, MoEArgs
 GIB = 2**30
 # Fitted to the published runs (scripts/plan.py --fit; docs/planner.md), one by one below.
 # The share of the bf16 peak that a GEMM of unbounded size would sustain in training, per GPU type.
-SUSTAINED = {"A100": 0.8823, "H100": 0.6413, "B200": 0.5801, "GB200": 0.5329}
+SUSTAINED = {"A100": 0.8823, "H100": 0.6413, "B200": 0.5851, "GB200": 0.5382}
 # GPU types with the same compute die as a measured one take its constant; others take H100's,
 # with a caution.
 SAME_DIE = {"H200": "H100", "H800": "H100", "H100": "H100", "A800": "A100", "A100": "A100"}
-GEMM_HALF = 96.86  # the GEMM size (FLOPs per element moved) at which that share halves
+GEMM_HALF = 102.7  # the GEMM size (FLOPs per element moved) at which that share halves
 ATTENTION_RATE = 0.5453  # causal attention's rate relative to the matmuls'
 FLOAT8_HALF = 1178  # the GEMM size at which float8 has half its speedup (casts and scales cost less per FLOP in larger ones)
-ELEMENTWISE_PASSES = 14.15  # reads and writes of each activation per block, forward and backward, unfused
+ELEMENTWISE_PASSES = 13.99  # reads and writes of each activation per block, forward and backward, unfused
 POWER_EXPONENT = 0.4186  # throughput under a power limit P: (P / TDP) ** POWER_EXPONENT
 CP_ROUND = 0.08505  # each further CP ring round's cost, as a share of the attention
 # The frameworks' kernels and overlap, relative to Megatron-Core's; titanlite is planned as
@@ -71,6 +71,10 @@ TP_OVERLAP = 0.8
 # Stated: a fused block (torch.compile's kernels, Transformer Engine's fused norms, activations and
 # RoPE in Megatron) reads each activation once and writes it once in forward, and again in backward.
 FUSED_PASSES = 4
+# Stated: the share of the interleaved bubble a zero-bubble schedule leaves idle (forward, input
+# gradients and weight gradients taken as equal thirds of the work: the weight gradients fill the
+# rest). No published run used one.
+ZERO_BUBBLE_SHARE = 1 / 3
 GPU_OVERHEAD = 2 * GIB
 # The range the published runs cover: the smallest per-GPU matmul width (min(dim, ffn) / tp) and
 # tokens per microbatch and GPU among them, and the largest CP degree.
@@ -92,6 +96,8 @@ class Layout:
     tp_overlap: bool = False  # TP collectives overlap their GEMMs (async TP)
     zero1: bool = False  # dp_replicate ranks shard the optimizer states (Megatron's distributed optimizer)
     compile: bool = False  # per-block torch.compile (TorchTitan's and titanlite's)
+    zero_bubble: bool = False  # ZBVZeroBubble (vp 2 in V order): weight gradients run in the bubble
+    sp_regather: bool = False  # Megatron's sequence parallel: GEMMs save their sharded input, all-gather it again in backward
 
     @property
     def gpus(self) -> int:
@@ -101,7 +107,8 @@ class Layout:
         parts = [f"{name} {v}" for name, v in [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp),
                                                ("pp", self.pp), ("vp", self.vp), ("cp", self.cp), ("ep", self.ep)] if v > 1] or ["1 GPU"]
         flags = [name for name, on in (("float8", self.float8), ("TP overlap", self.tp_overlap), ("ZeRO-1", self.zero1),
-                                       ("compile", self.compile)) if on]
+                                       ("compile", self.compile), ("zero bubble", self.zero_bubble),
+                                       ("SP regather", self.sp_regather)) if on]
         return ", ".join(parts) + f"; microbatch {self.microbatch}; AC {self.ac}" + "".join(f"; {f}" for f in flags)
 
 
@@ -155,6 +162,7 @@ def block_activation_elements(model: ModelArgs, tokens: float, layout: Layout) -
     """Elements autograd saves in one block for `tokens` local tokens (sequence parallel under TP)."""
     d, kv, f, tp = model.dim, model.kv_dim, model.ffn_hidden_dim, layout.tp
     q = model.n_heads * model.head_dim
+    gathered = d / tp if layout.sp_regather else d  # a norm output as its GEMMs save it
     if layout.ac == "full":
         return tokens * d / tp  # the block input only
     if isinstance(model, MoEArgs):
@@ -164,16 +172,16 @@ def block_activation_elements(model: ModelArgs, tokens: float, layout: Layout) -
         ffn = (routed + 4 * model.num_shared_experts * model.moe_hidden_dim + model.num_experts) / tp
         ffn_op = (model.top_k * (2 * d + 2 * model.moe_hidden_dim) + 2 * model.num_shared_experts * model.moe_hidden_dim) / tp
     else:
-        ffn = d + 4 * f / tp  # the norm output, gathered: w1/w3's input; w1 and w3 outputs, silu(w1), w2's input
-        ffn_op = d + 2 * f / tp
+        ffn = gathered + 4 * f / tp  # the norm output: w1/w3's input; w1 and w3 outputs, silu(w1), w2's input
+        ffn_op = gathered + 2 * f / tp
     full = (
         2 * d / tp  # the two norms' inputs (sequence-sharded)
-        + d  # the attention norm's output, gathered: the input of wq/wk/wv
+        + gathered  # the attention norm's output: the input of wq/wk/wv
         + (3 * q + 2 * kv) / tp  # q, k, v, attention output, wo's input
         + ffn
     )
     if layout.ac in ("op", "op_half"):  # matmul and attention outputs (TorchTitan's policy: half the matmuls'; counted as all)
-        return tokens * (d / tp + (q + q + 2 * kv) / tp + d + ffn_op)
+        return tokens * (d / tp + (q + q + 2 * kv) / tp + gathered + ffn_op)
     return tokens * full
 
 
@@ -296,12 +304,15 @@ def estimate(
     if L.tp > 1:
         per_collective = tokens * model.dim * act_bytes * (L.tp - 1) / L.tp  # the TP group's gathered activation
         gathers = 2 * (0.5 if L.float8 else 1.0)  # float8 gathers move 1 byte per element
-        volume = microbatches * blocks * per_collective * (gathers + 2 + 4)
+        backward = 4 + (2 if L.sp_regather else 0)  # input-grad reduce-scatters, output-grad all-gathers (+ the re-gathers)
+        volume = microbatches * blocks * per_collective * (gathers + 2 + backward)
         est.time["tp"] = volume / link(L.tp) * (1 - TP_OVERLAP if L.tp_overlap else 1.0)
     # Pipeline: the bubble of 1F1B, (pp - 1) idle microbatch slots beside the microbatches, which
-    # interleaving vp stages per rank divides by vp.
+    # interleaving vp stages per rank divides by vp; a zero-bubble schedule runs the weight gradients
+    # (a third of the work, with forward and input gradients alike) in what is left.
     if L.pp > 1:
-        est.time["pp bubble"] = est.time["compute"] * (L.pp - 1) / (L.vp * microbatches)
+        bubble = (L.pp - 1) / (L.vp * microbatches) * (ZERO_BUBBLE_SHARE if L.zero_bubble else 1.0)
+        est.time["pp bubble"] = est.time["compute"] * bubble
     # Context parallel: each rank passes k and v around the ring (and their gradients back);
     # it hides behind the attention compute of the same step.
     if L.cp > 1:
@@ -381,7 +392,8 @@ def published_runs(path) -> list[PublishedRun]:
         dp = r["dp"]
         data = dict(dp_shard=dp) if r["dp_kind"] == "fsdp" else dict(dp_replicate=dp, zero1=r["dp_kind"] == "zero1")
         layout = Layout(tp=r["tp"], pp=r["pp"], vp=r["vp"], cp=r["cp"], ep=r["ep"], microbatch=r["microbatch"], ac=r["recompute"],
-                        float8=r["float8"], tp_overlap=r["tp_overlap"], compile=r.get("compile", False), **data)
+                        float8=r["float8"], tp_overlap=r["tp_overlap"], compile=r.get("compile", False),
+                        sp_regather=r["framework"] == "megatron" and r["tp"] > 1, **data)
         runs.append(PublishedRun(
             r["id"], f"{r['framework']} {r['model']}, {r['gpus']} {r['gpu']}", model, r["seq"], r["global_batch"], find_gpu(r["gpu"]),
             # NeMo AutoModel trains with FSDP2, as TorchTitan does.
@@ -469,8 +481,10 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
                     continue
                 # Compiled per block (fused elementwise kernels), and under TP with async TP (which
                 # needs compile), whose collectives overlap the GEMMs.
-                layouts.append(Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8, vp, tp_overlap=tp > 1,
-                                      compile=True))
+                layout = Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8, vp, tp_overlap=tp > 1, compile=True)
+                layouts.append(layout)
+                if vp == 2:  # titanlite's ZBVZeroBubble: 2 stages per rank
+                    layouts.append(replace(layout, zero_bubble=True))
     return layouts
 
 
@@ -509,7 +523,7 @@ def outside_validation(e: Estimate, model: ModelArgs, seq_len: int) -> list[str]
 def differences(a: Layout, b: Layout) -> str:
     """How layout b differs from a, in words."""
     names = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP", "pp": "PP", "vp": "stages per PP rank", "cp": "CP",
-             "ep": "EP", "microbatch": "microbatch", "ac": "AC", "float8": "float8"}
+             "ep": "EP", "microbatch": "microbatch", "ac": "AC", "float8": "float8", "zero_bubble": "zero bubble"}
     return ", ".join(f"{label} {getattr(b, key)}" for key, label in names.items() if getattr(a, key) != getattr(b, key)) or "the same"
 
 
