@@ -50,6 +50,7 @@ def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path):
     assert "final loss" in out.stdout and "this run: 10 steps, 640 tokens in" in out.stdout
 
 
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_a_model_only_final_save_is_passed_over_when_resuming(corpus_jsonl, tmp_path):
     """last_save_model_only (TorchTitan's default) makes the last save weights only: extending the run
     resumes from the newest full checkpoint instead of restarting at step 0 from those weights."""
@@ -190,6 +191,7 @@ def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):
         assert abs(losses(tmp_path / name)[4] - expected) < 1e-5, (name, losses(tmp_path / name), expected)
 
 
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_async_save_of_a_float8_fsdp_run_resumes_exactly(corpus_jsonl, tmp_path):
     """Also: float8 all-gather weights (a tensor subclass) are saved as plain tensors and restored."""
     float8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.enable_fsdp_float8_all_gather"]
@@ -333,6 +335,7 @@ def test_loading_never_unpickles_code_from_the_metadata(corpus_jsonl, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_moe_resharding_across_expert_parallel_degrees(corpus_jsonl, tmp_path):
     """Save a MoE run on EP 2; resume on EP 2 (bitwise), 1 process and EP 4 x FSDP: the next step's
     loss matches EP 2's own, and the expert bias (training state, not a weight) comes back."""

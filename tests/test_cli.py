@@ -40,6 +40,7 @@ def test_torchrun_run_writes_metrics_tensorboard_and_config(corpus_jsonl, tmp_pa
     assert "done: 5 steps" in out.stdout
 
 
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_debug_moe_config_trains_on_two_expert_parallel_ranks(tmp_path):
     """CONFIG_FILE=train_configs/debug_moe.toml ./run_train.sh, as the README says, with the experts
     split over 2 ranks: the loss falls, and the load balance and aux loss reach every sink."""

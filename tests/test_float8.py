@@ -122,6 +122,7 @@ def train_losses(recipes: list[str], dump_folder: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_float8_recipes_train_like_fp32_on_the_default_data(tmp_path):
     """20 steps of the debug model on the built-in corpus (same batches for all): the mean loss of
     the last 5 steps of each recipe is within 3% of fp32's (scripts/loss_compare.py runs the long

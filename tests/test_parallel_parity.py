@@ -415,6 +415,9 @@ EXTENDED = {
     "doc_cp2_fsdp2_compile", "pp2_gpipe", "tp2_ac_every_2nd_block", "moe_ep2_ac_full", "fsdp2_float8_rowwise",
     "cp2_allgather_no_balance", "moe_ep4_tp2_float8", "moe_hsdp2x2_ep2", "free_fsdp2_tp2", "moe_ep2_fsdp2_tp2",
     "fsdp2_tp2_compile", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",
+    "tp2_no_sp", "free_tp2", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
+    "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
+    "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
 }
 TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2
 FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4
@@ -431,10 +434,12 @@ def cases(matrix: dict, extended: bool) -> dict:
     pytest.param(8, CASES_8, False, marks=pytest.mark.slow, id="eight_ranks"),
     pytest.param(2, TWO_RANKS, True, marks=pytest.mark.full, id="two_ranks_extended"),
     pytest.param(4, FOUR_RANKS, True, marks=pytest.mark.full, id="four_ranks_extended"),
+    pytest.param(8, CASES_8, True, marks=pytest.mark.full, id="eight_ranks_extended"),
 ])
 def test_parity(world, matrix, extended, corpus_jsonl, tmp_path):
     check(run_distributed(run_cases, world, str(corpus_jsonl), str(tmp_path), cases(matrix, extended)))
 
 
 def test_every_extended_case_exists():
-    assert EXTENDED <= set(TWO_RANKS) | set(FOUR_RANKS), EXTENDED - set(TWO_RANKS) - set(FOUR_RANKS)
+    every = set(TWO_RANKS) | set(FOUR_RANKS) | set(CASES_8)
+    assert EXTENDED <= every, EXTENDED - every

@@ -9,6 +9,7 @@ from helpers import REPO, run_command
 
 
 @pytest.mark.slow
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_benchmark_smoke_preset_writes_rows_table_and_plot(tmp_path):
     out = run_command([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--preset", "smoke", "--steps", "6",
                        "--warmup", "2", "--overhead-repeats", "2", "--out", str(tmp_path)], timeout=400)
@@ -24,6 +25,7 @@ def test_benchmark_smoke_preset_writes_rows_table_and_plot(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_loss_compare_trains_from_one_seed_and_asserts(corpus_jsonl, tmp_path):
     common = (f"--model.hf_assets_path byte --training.dataset {corpus_jsonl} --training.seq_len 32 "
               "--training.data_split sequences --validation.enable false --metrics.enable_tensorboard false")

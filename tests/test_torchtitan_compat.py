@@ -82,6 +82,7 @@ def test_debug_seed_none_draws_one_shared_seed_and_a_seed_repeats_a_run(corpus_j
     assert abs(losses(tmp_path / "drawn")[0] - losses(tmp_path / "set")[0]) < 1e-5
 
 
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_full_bf16_and_loader_workers_train(corpus_formats, tmp_path):
     from titanlite.checkpoint import read_tensor_metadata
 

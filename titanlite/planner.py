@@ -46,25 +46,27 @@ from titanlite.models.args import ModelArgs, MoEArgs
 GIB = 2**30
 # Fitted to the published runs (scripts/plan.py --fit; docs/planner.md), one by one below.
 # The share of the bf16 peak that a GEMM of unbounded size would sustain in training, per GPU type.
-SUSTAINED = {"A100": 0.8823, "H100": 0.6413, "B200": 0.5851, "GB200": 0.5382}
+SUSTAINED = {"A100": 0.864, "H100": 0.692, "B200": 0.648, "GB200": 0.59}
 # GPU types with the same compute die as a measured one take its constant; others take H100's,
 # with a caution.
 SAME_DIE = {"H200": "H100", "H800": "H100", "H100": "H100", "A800": "A100", "A100": "A100"}
-GEMM_HALF = 102.7  # the GEMM size (FLOPs per element moved) at which that share halves
-ATTENTION_RATE = 0.5453  # causal attention's rate relative to the matmuls'
-FLOAT8_HALF = 1178  # the GEMM size at which float8 has half its speedup (casts and scales cost less per FLOP in larger ones)
-ELEMENTWISE_PASSES = 13.99  # reads and writes of each activation per block, forward and backward, unfused
-POWER_EXPONENT = 0.4186  # throughput under a power limit P: (P / TDP) ** POWER_EXPONENT
-CP_ROUND = 0.08505  # each further CP ring round's cost, as a share of the attention
+GEMM_HALF = 86.7  # the GEMM size (its FLOPs per byte moved in bf16) at which that share halves
+ATTENTION_RATE = 0.93  # causal attention's rate relative to the matmuls'
+FLOAT8_HALF = 1010  # the GEMM size at which float8 has half its speedup (casts and scales cost less per FLOP in larger ones)
+# Seconds per block and microbatch, forward and backward, per framework: kernel launches, host work.
+BLOCK_OVERHEAD = {"megatron": 0.00111, "torchtitan": 0.000969, "llm-foundry": 0.00409}
+ELEMENTWISE_PASSES = 7.17  # reads and writes of each activation per block, forward and backward, unfused
+POWER_EXPONENT = 0.927  # throughput under a power limit P: (P / TDP) ** POWER_EXPONENT
+CP_ROUND = 0.0751  # each further CP ring round's cost, as a share of the attention
 # The frameworks' kernels and overlap, relative to Megatron-Core's; titanlite is planned as
 # TorchTitan, whose kernels (torch.compile, SDPA) and FSDP2 it shares.
-SOFTWARE = {"megatron": 1, "torchtitan": 0.8362, "llm-foundry": 0.9157}
-# The share of compute time that prefetched data-parallel collectives hide behind. Fitted above 1:
-# the compute time modelled is that of a step with no communication, and the kernels that run
-# beside collectives leave them more time than that.
-FSDP_OVERLAP = 1.163
-FITTED = ("SUSTAINED", "GEMM_HALF", "ATTENTION_RATE", "FLOAT8_HALF", "ELEMENTWISE_PASSES", "CP_ROUND",
-          "POWER_EXPONENT", "SOFTWARE", "FSDP_OVERLAP")
+SOFTWARE = {"megatron": 1, "torchtitan": 0.838, "llm-foundry": 0.885}
+# The share of compute time that prefetched data-parallel collectives (FSDP's, and the replicas'
+# gradient exchange) hide behind, at most all of it.
+DP_OVERLAP = 0.933
+FITTED = ("SUSTAINED", "GEMM_HALF", "ATTENTION_RATE", "FLOAT8_HALF", "ELEMENTWISE_PASSES", "BLOCK_OVERHEAD", "CP_ROUND",
+          "POWER_EXPONENT", "SOFTWARE", "DP_OVERLAP")
+UPPER_BOUNDS = {"SUSTAINED": 1.0, "DP_OVERLAP": 1.0}  # shares: the fit keeps them at most 1
 # Stated, not fitted: the share of TP collectives hidden where TP communication overlaps its GEMMs
 # (Megatron's tp_comm_overlap, torch's async TP).
 TP_OVERLAP = 0.8
@@ -190,7 +192,7 @@ def estimate(
     act_bytes: int = 2, overhead: float = GPU_OVERHEAD, power_watts: float | None = None, software: str = "torchtitan",
 ) -> Estimate:
     """`power_watts`: the GPUs' power limit where below their TDP; `software`: a SOFTWARE key."""
-    L = layout
+    L = layout if gpu.fp8_flops or not layout.float8 else replace(layout, float8=False)  # no float8 matmuls: bf16
     dp = L.dp_replicate * L.dp_shard
     fsdp = L.dp_shard * L.cp
     local_batch = global_batch // dp
@@ -235,26 +237,30 @@ def estimate(
         tp shard of a weight, m tokens); the share of peak a GEMM reaches grows with it."""
         return 1 / (1 / model.dim + L.tp / min(model.dim, model.ffn_hidden_dim) + 1 / m)
 
-    def saturation(m: float) -> float:
-        return gemm(m) / (gemm(m) + GEMM_HALF)
+    def saturation(size: float) -> float:
+        return size / (size + GEMM_HALF)
 
     power = min(1.0, power_watts / gpu.tdp_watts) ** POWER_EXPONENT if power_watts else 1.0
-    est.matmul_efficiency = SUSTAINED[gpu_family(gpu) or "H100"] * SOFTWARE[software] * power * saturation(tokens)
+    sustained = gpu.bf16_flops * SUSTAINED[gpu_family(gpu) or "H100"] * SOFTWARE[software] * power
+    est.matmul_efficiency = sustained * saturation(gemm(tokens)) / gpu.bf16_flops
     rate = gpu.bf16_flops * est.matmul_efficiency
     linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
-    # The linears at the matmul rate (float8's faster by float8_speedup; routed experts stay in
-    # bf16); causal attention does half the FLOPs counted (flops_per_token counts the full square)
-    # at ATTENTION_RATE times the matmul rate.
+    # The linears at the matmul rate (float8's faster by float8_speedup; the output projection and
+    # routed experts stay in bf16, as in TorchTitan and Transformer Engine); causal attention does
+    # half the FLOPs counted (flops_per_token counts the full square) at ATTENTION_RATE times the
+    # matmul rate of its own GEMMs.
     float8_share = 0.0
     if L.float8:
         routed = 6 * model.top_k * experts / model.num_experts * (model.n_layers - model.n_dense_layers) if experts else 0.0
-        float8_share = linear_share - routed / flops_per_token
-    float8_speedup = 1 + (gpu.fp8_flops / gpu.bf16_flops - 1) * gemm(tokens) / (gemm(tokens) + FLOAT8_HALF)
-    # Context parallel's ring computes attention in chunks of seq / (2 cp) queries (head-tail), at the
-    # rate of GEMMs that short, and each of its cp - 1 further rounds (another KV shard, its merge
-    # into the output and log-sum-exp, forward and backward) costs CP_ROUND of the attention more.
+        float8_share = linear_share - (routed + 6 * model.vocab_size * model.dim) / flops_per_token
+    float8_gain = max(0.0, gpu.fp8_flops / gpu.bf16_flops - 1)  # no float8 matmuls: no gain
+    float8_speedup = 1 + float8_gain * gemm(tokens) / (gemm(tokens) + FLOAT8_HALF)
+    # Attention's GEMMs (QK^T, then the weights times V) are chunk x head_dim x chunk: context
+    # parallel's ring computes them in chunks of seq / (2 cp) queries (head-tail), and each of its
+    # cp - 1 further rounds (another KV shard, its merge into the output and log-sum-exp, forward and
+    # backward) costs CP_ROUND of the attention more.
     chunk = seq_len / (2 * L.cp) if L.cp > 1 else seq_len
-    attention_rate = ATTENTION_RATE * rate * saturation(chunk) / saturation(tokens)
+    attention_rate = ATTENTION_RATE * sustained * saturation(1 / (2 / chunk + 1 / model.head_dim))
     attention_rate /= 1 + CP_ROUND * (L.cp - 1)
     compute = est.flops_per_gpu * (
         float8_share / (float8_speedup * rate) + (linear_share - float8_share) / rate
@@ -270,7 +276,7 @@ def estimate(
     elements = (2 * model.dim + 2 * q + 2 * model.kv_dim + 3 * model.ffn_hidden_dim) / L.tp
     passes = FUSED_PASSES if L.compile or software == "megatron" else ELEMENTWISE_PASSES
     elementwise = microbatches * tokens * blocks * elements * act_bytes * passes / gpu.hbm_bandwidth
-    est.time["compute"] = (compute + elementwise) * (1 + recompute_share)
+    est.time["compute"] = (compute + elementwise) * (1 + recompute_share) + microbatches * blocks * BLOCK_OVERHEAD[software]
     if L.pp > 1:
         # The last stage also runs the output projection, so the pipeline moves at the pace of its
         # busiest rank. Splits give the last rank fewer blocks for it (Megatron's
@@ -286,20 +292,29 @@ def estimate(
     # FSDP: without PP, every microbatch all-gathers for forward and again for backward and
     # reduce-scatters fp32 gradients; a pipeline stage keeps its weights gathered across the step's
     # microbatches (gather once, reduce once), paid for in memory above.
+    data_parallel = 0.0  # seconds of data-parallel collectives (FSDP's, then the replicas')
     if sharded:
         # Dense weights are gathered over fsdp; routed experts (whole, experts / ep per rank) over the
         # routing ranks outside EP, fsdp x tp / ep.
         moe_layers = blocks * (1 if experts else 0)
         dense, expert_part = params - moe_layers * experts, moe_layers * experts
         efsdp = fsdp * L.tp // L.ep if experts else 1
-        comm = 0.0
         # Float8 all-gathers move the dense linears' weights in 1 byte; the routed experts stay in high precision.
         for weights, group, float8_gather in ((dense / L.tp, fsdp, L.float8), (expert_part / L.ep, efsdp, False)):
             if group > 1 and weights:
                 shard_bytes = weights * (1 if float8_gather else act_bytes)
                 per_step = shard_bytes + weights * 4 if L.pp > 1 else microbatches * (2 * shard_bytes + weights * 4)
-                comm += per_step * (group - 1) / group / link(L.tp * fsdp)
-        est.time["fsdp exposed"] = max(comm - FSDP_OVERLAP * est.time["compute"], comm / max(blocks, 1))
+                data_parallel += per_step * (group - 1) / group / link(L.tp * fsdp)
+    # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients; ZeRO-1: a reduce-scatter of
+    # the whole fp32 gradients and an all-gather of the bf16 weights over the replicas x cp
+    # (Megatron's overlap_grad_reduce and overlap_param_gather overlap both).
+    if L.dp_replicate > 1:
+        group = L.dp_replicate * (L.cp if L.zero1 else 1)
+        per_param = 4 + act_bytes if L.zero1 else 2 * 4
+        data_parallel += per_param * params / (L.tp * (1 if L.zero1 else fsdp)) * (group - 1) / group / link(L.gpus)
+    # All of it overlaps compute, except at least one block's worth (the first gather, the last reduce).
+    if data_parallel:
+        est.time["data parallel exposed"] = max(data_parallel - DP_OVERLAP * est.time["compute"], data_parallel / max(blocks, 1))
     # TP with sequence parallel: per block, 2 all-gathers + 2 reduce-scatters forward, the same backward.
     if L.tp > 1:
         per_collective = tokens * model.dim * act_bytes * (L.tp - 1) / L.tp  # the TP group's gathered activation
@@ -324,16 +339,6 @@ def estimate(
     if experts and L.ep > 1:
         volume = microbatches * blocks * 4 * tokens / L.tp * model.top_k * model.dim * act_bytes * (L.ep - 1) / L.ep
         est.time["ep all-to-all"] = volume / link(L.ep)
-    # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients, overlapping backward (2/3
-    # of the compute); ZeRO-1: a reduce-scatter of the whole gradients overlapping backward and an
-    # all-gather of the weights overlapping the next forward (Megatron's overlap_grad_reduce and
-    # overlap_param_gather; the same volume) over the replicas x cp.
-    if L.dp_replicate > 1:
-        group = L.dp_replicate * (L.cp if L.zero1 else 1)
-        volume = 2 * 4 * params / (L.tp * (1 if L.zero1 else fsdp)) * (group - 1) / group
-        comm = volume / link(L.gpus)
-        hidden = FSDP_OVERLAP * est.time["compute"] * (1 if L.zero1 else 2 / 3)
-        est.time["dp_replicate exposed"] = max(comm / max(blocks, 1), comm - hidden)
     return est
 
 
@@ -435,6 +440,8 @@ def fit_constants(runs: list[PublishedRun], rounds: int = 10) -> dict:
                 while True:
                     value = get(name, key)
                     for candidate in (value * (1 + step), value * (1 - step)):
+                        if candidate > UPPER_BOUNDS.get(name, math.inf):
+                            continue
                         put(name, key, candidate)
                         loss = fit_loss(runs)
                         if loss < best - 1e-9:
@@ -517,6 +524,9 @@ def outside_validation(e: Estimate, model: ModelArgs, seq_len: int) -> list[str]
                      "published run")
     if L.cp > VALIDATED["cp"]:
         notes.append(f"context parallel {L.cp}: published runs go to cp {VALIDATED['cp']}")
+    if e.memory_total > 0.85 * e.capacity:
+        notes.append(f"{e.memory_total / GIB:.1f} of {e.capacity / GIB:.0f} GiB: within the memory model's 15% error of the "
+                     "GPU's capacity; check the peak on a short run")
     return notes
 
 
