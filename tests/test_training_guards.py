@@ -64,6 +64,16 @@ def test_a_nonfinite_grad_norm_stops_the_run_at_the_next_check(corpus_jsonl, tmp
     assert "not finite at step 0; training stopped at step 1" in second["checked"], second  # the first bad step
 
 
+def test_skip_nonfinite_steps_skips_and_counts_up_to_its_limit(corpus_jsonl, tmp_path):
+    skip = ["--training.skip_nonfinite_steps", "--training.max_skipped_steps", "1"]
+    (outcomes,) = run_distributed(_nonfinite_grad, 1, str(corpus_jsonl), str(tmp_path), skip)
+    first, second = outcomes
+    # Skipped: no weight moved, AdamW holds no state, the lr schedule did not advance, grads are cleared.
+    assert first == {"loss_finite": True, "outcome": "stepped", "checked": "finite", "weights_unchanged": True,
+                     "adam_steps": 0, "lr_schedule_step": 0, "grads_cleared": True, "skipped": 1}, first
+    assert "2 steps skipped, more than training.max_skipped_steps=1" in second["outcome"], second
+
+
 def _diverge_at_step_3(dataset: str, folder: str) -> dict:
     from titanlite.config import parse_args
     from titanlite.train import Trainer, TrainingDiverged

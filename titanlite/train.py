@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import math
 import os
 import socket
 import sys
@@ -355,8 +356,14 @@ class Trainer:
             self.first_nonfinite_step.masked_fill_(~finite & (self.first_nonfinite_step < 0), self.step)
         return grad_norm
 
-    def check_finite(self) -> None:
-        """Stop the run if a step's grad norm was not finite (reads the device's flag: a wait)."""
+    def check_finite(self, loss: float = 0.0) -> None:
+        """Stop the run if a step's grad norm was not finite (reads the device's flag: a wait), or the
+        logged `loss` is not."""
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"loss is {loss} at step {self.step}; training stopped. Lower optimizer.lr, raise "
+                "lr_scheduler.warmup_steps or check the data"
+            )
         step = int(self.first_nonfinite_step)
         if step >= 0:
             raise TrainingDiverged(
@@ -370,7 +377,7 @@ class Trainer:
         tokens (one all-reduce); the expert bias moves towards balance, not after a step whose grad norm
         is not finite (`finite`, on the device). The sums stay on the device for the log."""
         counts, aux = global_balance(self.moe_layers, self.routing_group)
-        update_expert_bias(self.moe_layers, counts * finite)  # zero counts leave the bias where it is
+        update_expert_bias(self.moe_layers, counts * finite.to(counts.device))  # zero counts leave the bias where it is
         self.balance = counts, aux
 
     def skip_step(self, grad_norm: float) -> None:
@@ -493,17 +500,18 @@ class Trainer:
             self.metrics.record_step(tokens_per_step, data_seconds)
             last = self.step == t.steps
             # Only log, validation and checkpoint steps wait for the device (and reduce the loss).
+            validating = v.enable and (self.step % v.freq == 0 or last)
+            if validating or self.checkpointer.due(self.step, last):
+                self.check_finite()  # never evaluate or save weights a non-finite step has touched
             if self.step == 1 or self.step % m.log_freq == 0 or last:
-                self.check_finite()
                 loss = self.global_loss(local_loss)
+                self.check_finite(loss)
                 lr = self.lr_schedulers[0].get_last_lr()[0]
                 skipped = self.skipped_steps if t.skip_nonfinite_steps else None
                 self.metrics.log(self.step, loss, grad_norm.item(), lr, self.tokens_seen, skipped, self.stage_balance())
-            if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
+            if validating:
                 self.metrics.log_validation(self.step, self.validate())
                 self.metrics.reset()  # keep evaluation time out of the next throughput window
-            if self.checkpointer.due(self.step, last):
-                self.check_finite()  # never save weights a non-finite step has touched
             self.checkpointer.maybe_save(self.step, last)
             self.profiler.after_step(self.step)
             if self.step == first_step:
@@ -565,7 +573,7 @@ def report(message: str, code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    code = 0
+    code, trainer = 0, None
     exit_with_launcher()
     start_attempt()
     try:
@@ -589,6 +597,8 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         code = report(f"titanlite: config error: {e}", 2)
     except TrainingDiverged as e:
+        if trainer is not None:
+            trainer.checkpointer.wait()  # an async save in flight was checked when it started: let it land
         code = report(f"titanlite: {e}", 1)
     finally:
         if dist.is_initialized():

@@ -57,7 +57,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     pairs = x.float().unflatten(-1, (half, 2))
     if not torch.compiler.is_compiling():
         # Eager: one complex multiply, forward and backward (3.4x faster than the real form on CPU).
-        return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(-2).type_as(x)
+        return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos.float(), sin.float())).flatten(-2).type_as(x)
     # Compiled: inductor fuses the real form into one kernel; it has no complex code generation.
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
