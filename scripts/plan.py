@@ -74,12 +74,14 @@ def main() -> int:
     parser.add_argument("--published", action="store_true", help="predictions for the published runs (docs/planner.md)")
     parser.add_argument("--fit", action="store_true",
                         help="fit the planner's constants to the published runs not held out; print them and the errors")
+    parser.add_argument("--restarts", type=int, default=0,
+                        help="with --fit: also descend from this many seeded perturbed starts, keeping the best")
     parser.add_argument("--runs", type=Path, default=PUBLISHED, help="the published runs (JSON lines)")
     args = parser.parse_args()
     if args.published or args.fit:
         runs = published_runs(args.runs)
         if args.fit:
-            fitted = fit_constants([r for r in runs if not r.excluded and not r.holdout])
+            fitted = fit_constants([r for r in runs if not r.excluded and not r.holdout], restarts=args.restarts)
             print("fitted (set these in titanlite/planner.py):")
             for name in FITTED:
                 value = fitted[name]

@@ -415,9 +415,13 @@ def fit_loss(runs: list[PublishedRun]) -> float:
     return sum(errors) / len(errors) + 0.5 * max(errors)
 
 
-def fit_constants(runs: list[PublishedRun], rounds: int = 10) -> dict:
-    """Set FITTED's constants to those that minimize `fit_loss` over `runs` (coordinate descent from
-    the current values, relative steps of 20%, 5% and 1%); returns their values."""
+def fit_constants(runs: list[PublishedRun], rounds: int = 10, restarts: int = 0, seed: int = 0) -> dict:
+    """Set FITTED's constants to those that minimize `fit_loss` over `runs`: coordinate descent from
+    the current values (relative steps of 20%, 5% and 1%, shares kept at most 1), then from
+    `restarts` starts that perturb the best so far by about 15% each (seeded), keeping the best.
+    Returns their values."""
+    import random
+
     module = sys.modules[__name__]
     keys = []
     for name in FITTED:
@@ -433,23 +437,36 @@ def fit_constants(runs: list[PublishedRun], rounds: int = 10) -> dict:
         else:
             setattr(module, name, value)
 
-    best = fit_loss(runs)
-    for _ in range(rounds):
-        for name, key in keys:
-            for step in (0.2, 0.05, 0.01):
-                while True:
-                    value = get(name, key)
-                    for candidate in (value * (1 + step), value * (1 - step)):
-                        if candidate > UPPER_BOUNDS.get(name, math.inf):
-                            continue
-                        put(name, key, candidate)
-                        loss = fit_loss(runs)
-                        if loss < best - 1e-9:
-                            best = loss
+    def descend() -> float:
+        best = fit_loss(runs)
+        for _ in range(rounds):
+            for name, key in keys:
+                for step in (0.2, 0.05, 0.01):
+                    while True:
+                        value = get(name, key)
+                        for candidate in (value * (1 + step), value * (1 - step)):
+                            if candidate > UPPER_BOUNDS.get(name, math.inf):
+                                continue
+                            put(name, key, candidate)
+                            loss = fit_loss(runs)
+                            if loss < best - 1e-9:
+                                best = loss
+                                break
+                            put(name, key, value)
+                        else:
                             break
-                        put(name, key, value)
-                    else:
-                        break
+        return best
+
+    best_loss, rng = descend(), random.Random(seed)
+    best = {k: get(*k) for k in keys}
+    for _ in range(restarts):
+        for k, value in best.items():
+            put(*k, min(value * math.exp(rng.gauss(0, 0.15)), UPPER_BOUNDS.get(k[0], math.inf)))
+        loss = descend()
+        if loss < best_loss:
+            best_loss, best = loss, {k: get(*k) for k in keys}
+    for k, value in best.items():
+        put(*k, value)
     return {name: getattr(module, name) for name in FITTED}
 
 
