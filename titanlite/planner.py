@@ -242,9 +242,11 @@ def estimate(
 
     power = min(1.0, power_watts / gpu.tdp_watts) ** POWER_EXPONENT if power_watts else 1.0
     sustained = gpu.bf16_flops * SUSTAINED[gpu_family(gpu) or "H100"] * SOFTWARE[software] * power
-    est.matmul_efficiency = sustained * saturation(gemm(tokens)) / gpu.bf16_flops
+    linear_gemm = gemm(tokens)
+    est.matmul_efficiency = sustained * saturation(linear_gemm) / gpu.bf16_flops
     rate = gpu.bf16_flops * est.matmul_efficiency
     linear_share = 6 * model.num_params(exclude_embedding=True, active=True) / flops_per_token
+    output_flops = 6 * model.vocab_size * model.dim  # per token, the output projection's
     # The linears at the matmul rate (float8's faster by float8_speedup; the output projection and
     # routed experts stay in bf16, as in TorchTitan and Transformer Engine); causal attention does
     # half the FLOPs counted (flops_per_token counts the full square) at ATTENTION_RATE times the
@@ -252,9 +254,9 @@ def estimate(
     float8_share = 0.0
     if L.float8:
         routed = 6 * model.top_k * experts / model.num_experts * (model.n_layers - model.n_dense_layers) if experts else 0.0
-        float8_share = linear_share - (routed + 6 * model.vocab_size * model.dim) / flops_per_token
+        float8_share = linear_share - (routed + output_flops) / flops_per_token
     float8_gain = max(0.0, gpu.fp8_flops / gpu.bf16_flops - 1)  # no float8 matmuls: no gain
-    float8_speedup = 1 + float8_gain * gemm(tokens) / (gemm(tokens) + FLOAT8_HALF)
+    float8_speedup = 1 + float8_gain * linear_gemm / (linear_gemm + FLOAT8_HALF)
     # Attention's GEMMs (QK^T, then the weights times V) are chunk x head_dim x chunk: context
     # parallel's ring computes them in chunks of seq / (2 cp) queries (head-tail), and each of its
     # cp - 1 further rounds (another KV shard, its merge into the output and log-sum-exp, forward and
@@ -281,7 +283,7 @@ def estimate(
         # The last stage also runs the output projection, so the pipeline moves at the pace of its
         # busiest rank. Splits give the last rank fewer blocks for it (Megatron's
         # account_for_loss_in_pipeline_split, TorchTitan's uneven splits): the best such split.
-        output = 6 * model.vocab_size * model.dim / ((flops_per_token - 6 * model.vocab_size * model.dim) / model.n_layers)
+        output = output_flops / ((flops_per_token - output_flops) / model.n_layers)  # in blocks
         busiest = min(max(-(-(model.n_layers - k) // (L.pp - 1)), k + output) for k in range(blocks + 1))
         est.time["compute"] *= busiest / ((model.n_layers + output) / L.pp)
 

@@ -312,11 +312,16 @@ class Trainer:
         """Forward/backward every microbatch; returns this rank's part of the global mean loss (on the
         device; `global_loss` sums the parts)."""
         # Dividing each rank's summed loss by the global token count makes the summed gradients
-        # the gradient of the global mean, whatever the dp degree and accumulation steps. Every label
-        # counts (the loader packs full windows, no padding), so every rank knows the count: no collective.
-        self.loss_scale = sum(labels.numel() for _, labels in microbatches) * self.dp_degree
+        # the gradient of the global mean, whatever the dp degree and accumulation steps.
+        self.loss_scale = sum(self.global_tokens(labels) for _, labels in microbatches)
         self.before_step()
         return sum(self.forward(x, y, backward=True) for x, y in microbatches)
+
+    def global_tokens(self, labels: torch.Tensor) -> int:
+        """The tokens of `labels` on every data-parallel rank together (before any sequence split): every
+        label counts (the loader packs full windows, no padding) and every rank holds as many, so each
+        rank knows the count without a collective."""
+        return labels.numel() * self.dp_degree
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The global mean loss from every rank's part (a collective, and a wait for the device: log steps only)."""
@@ -414,7 +419,7 @@ class Trainer:
                 break
             x, y = (b.to(self.device) for b in batch)
             loss_sum += self.forward(x, y, backward=False).float()
-            tokens += y.numel() * self.dp_degree  # counted before any sequence split, as every rank's
+            tokens += self.global_tokens(y)
         loss_sum = self.reduce_loss(loss_sum)
         for part in self.model_parts:
             part.train()
