@@ -106,7 +106,10 @@ def bare_loop(args: list[str], steps: int, warmup: int) -> float:
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.models import FAMILIES, model_args
     from titanlite.optim import build_optimizer
+    from titanlite.train import reuse_freed_host_memory
 
+    if not torch.cuda.is_available():
+        reuse_freed_host_memory()  # as the trainer does: the overhead is then the trainer's own work
     config = parse_args(args)
     t = config.training
     tokenizer = build_tokenizer(*config.tokenizer)

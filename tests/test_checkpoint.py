@@ -265,7 +265,9 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
     exported, converted = load_file(str(saved / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert exported.keys() == converted.keys()
     for name in converted:
-        torch.testing.assert_close(exported[name], converted[name], rtol=1e-5, atol=1e-6)
+        # 3 AdamW steps on gradients summed in another order: near-zero gradients' round-off moves a
+        # weight by up to ~2e-6 (test_parallel_parity.py's free-running bounds), not by a conversion error.
+        torch.testing.assert_close(exported[name], converted[name], rtol=1e-5, atol=1e-5)
 
     # Training starts from HF weights (checkpoint.initial_load_in_hf) as from the same weights in DCP.
     first = ["--training.steps", "1", "--model.flavor", "debugmodel_gqa"]

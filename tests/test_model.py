@@ -145,3 +145,47 @@ def test_context_parallel_finds_torchs_ring_attention():
     for name in ("custom_ops", "_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "set_rotate_method"):
         assert hasattr(ring, name), name
     assert hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+@pytest.mark.parametrize("name, flavor", [("llama3", "debugmodel_gqa"), ("moe", "debugmoe_qwen3")])
+def test_fused_projections_compute_what_the_separate_ones_do(name, flavor):
+    """q/k/v (and SwiGLU's w1/w3, a MoE's shared experts too) as one matmul: the same parameters under
+    the same names, the same logits, gradients within fp32 round-off; float8 linears keep their own."""
+    from titanlite.float8 import convert_to_float8
+    from titanlite.models import FAMILIES
+    from titanlite.models.llama import FusedLinear
+
+    args = replace(model_args(name, flavor, 320, 64), n_layers=2)
+    separate, fused = (FAMILIES[name].plan.build(replace(args, fused_projections=f)) for f in (False, True))
+    separate.init_weights(seed=0)
+    fused.load_state_dict(separate.state_dict())
+    assert list(fused.state_dict()) == list(separate.state_dict())
+    assert all(isinstance(block.attention.qkv, FusedLinear) for block in fused.layers.values())
+    tokens = torch.randint(0, 320, (2, 64))
+    grads = []
+    for model in (separate, fused):
+        logits = model(tokens)
+        logits.square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        assert torch.equal(logits, separate(tokens))  # separate's forward ran first: its logits are the reference
+    for n, g in grads[0].items():
+        assert (grads[1][n] - g).abs().max() <= 1e-5 * g.abs().max(), n
+    for model in (separate, fused):
+        convert_to_float8(model, "tensorwise", ["output"], emulate=True)
+    assert torch.equal(fused(tokens), separate(tokens))
+
+
+def test_fused_projections_keep_only_the_weights_for_backward():
+    """The concatenated weight is not saved for backward (under FSDP it would hold every block's
+    gathered weights through the forward): the saved tensors are the input and the parameters."""
+    from titanlite.models.llama import FusedLinear
+
+    x = torch.randn(4, 8, requires_grad=True)
+    weights = [torch.randn(n, 8, requires_grad=True) for n in (6, 2, 2)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        q, k, v = FusedLinear()(x, *weights)
+    assert (q.shape, k.shape, v.shape) == ((4, 6), (4, 2), (4, 2))
+    assert len(saved) == 4 and all(any(s is t for t in (x, *weights)) for s in saved)
+    (q.sum() + 2 * k.sum() + 3 * v.sum()).backward()
+    assert torch.allclose(weights[2].grad, 3 * x.sum(0).expand(2, 8), atol=1e-5)

@@ -23,11 +23,11 @@ start dominates on CPU.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from distributed import run_distributed
@@ -70,6 +70,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.config import float8_recipe, parse_args
     from titanlite.data.dataset import build_dataloader
     from titanlite.float8 import convert_to_float8
+    from titanlite.loss import cross_entropy_sum  # the trainer's (test_loss.py holds it to torch's)
     from titanlite.models.attention import document_layout
     from titanlite.models.llama import canonical_fqn
     from titanlite.models.moe import global_balance, set_batch, update_expert_bias
@@ -83,7 +84,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     trainer = Trainer(config, torch.device("cpu"))
     t, o, s = config.training, config.optimizer, config.lr_scheduler
 
-    reference = trainer.plan.build(trainer.model_parts[0].args)
+    # Separate projections: a layout's fused ones (model.fused_projections) must give the same results.
+    reference = trainer.plan.build(replace(trainer.model_parts[0].args, fused_projections=False))
     reference.init_weights(trainer.seed)
     ref_moe = trainer.plan.moe_layers(reference)
     set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len)
@@ -113,13 +115,13 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         the packed windows where other tokens count: float8 scales by the batch, the aux loss by the window)."""
         if not trainer.document_masking or config.float8 or trainer.aux_loss_on:
             token_inputs = trainer.token_inputs(x) if trainer.document_masking else {}
-            return F.cross_entropy(reference(x, **token_inputs).flatten(0, 1), y.flatten(), reduction="sum")
+            return cross_entropy_sum(reference(x, **token_inputs), y)
         document_ids, _ = document_layout(x, trainer.tokenizer.bos_id, reset_positions=False)
         total = torch.zeros(())
         for row, ids in enumerate(document_ids):
             for document in ids.unique():
                 tokens = ids == document
-                total = total + F.cross_entropy(reference(x[row, tokens][None])[0], y[row, tokens], reduction="sum")
+                total = total + cross_entropy_sum(reference(x[row, tokens][None]), y[row, tokens][None])
         return total
 
     rows_per_microbatch = t.local_batch_size * trainer.dp_degree
@@ -255,6 +257,12 @@ CASES_2 = {
     "tp2_sp_lp": [TP, "2", "--model.flavor", "debugmodel_gqa"],
     "tp2_no_sp": [TP, "2", "--parallelism.enable_sequence_parallel", "false"],
     "tp2_no_lp": [TP, "2", "--parallelism.disable_loss_parallel"],
+    # q/k/v and w1/w3 as one matmul each: every rank's rows of them, gathered input, partial input gradient.
+    "tp2_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections"],
+    "tp2_no_sp_fused_projections": [TP, "2", "--parallelism.enable_sequence_parallel", "false", "--model.fused_projections"],
+    "fsdp2_fused_projections_ac_selective_op": ["--model.fused_projections", "--activation_checkpoint.mode", "selective"],
+    # Compiled attention and feed-forward under TP trace the fused matmul, also without autograd (validation).
+    "tp2_compile_fused_projections": [TP, "2", "--compile.enable", "--model.fused_projections"],
     # Activation checkpointing recomputes, so results must not change at all.
     "fsdp2_ac_full": ["--activation_checkpoint.mode", "full"],
     "fsdp2_ac_selective_op": ["--activation_checkpoint.mode", "selective"],
@@ -318,7 +326,8 @@ CASES_4 = {
     "pp4_1f1b": ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "4"],
     "pp2_fsdp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
     "pp2_tp2_1f1b": PP + [TP, "2"],
-    "fsdp2_tp2_compile": [TP, "2", "--model.flavor", "debugmodel_gqa", "--compile.enable"],
+    "fsdp2_tp2_compile_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--compile.enable", "--model.fused_projections"],
+    "fsdp2_tp2_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections"],
     "fsdp2_tp2_float8_all_gather": F8 + [TP, "2", "--model.flavor", "debugmodel_gqa", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
                                          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
     "free_fsdp2_tp2": [TP, "2", "--model.flavor", "debugmodel_gqa"],
@@ -350,7 +359,7 @@ CASES_MOE_2 = {
     "moe_ep2_compile": MOE + [EP, "2", "--compile.enable"],
     "moe_ep2_float8": MOE + F8 + [EP, "2"],
     # Tensor parallel: attention split by heads, each tp rank routing its sequence shard (EP borrows tp).
-    "moe_tp2": MOE + [TP, "2"],
+    "moe_tp2_fused_projections": MOE + [TP, "2", "--model.fused_projections"],
     "moe_ep2_tp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2"],
     # Expert tensor parallel: each expert's hidden dim split over tp.
     "moe_tp2_etp2_loop": MOE + [TP, "2", ETP, "2", "--model.moe_grouped_mm", "false"],
@@ -414,8 +423,8 @@ EXTENDED = {
     "cp4_alltoall_no_balance", "moe_ep2_tp2_etp2_aux", "moe_cp2_tp2_etp2", "moe_pp2_ep2_tp2", "moe_cp2_tp2_ep4_aux",
     "doc_cp2_fsdp2_compile", "pp2_gpipe", "tp2_ac_every_2nd_block", "moe_ep2_ac_full", "fsdp2_float8_rowwise",
     "cp2_allgather_no_balance", "moe_ep4_tp2_float8", "moe_hsdp2x2_ep2", "free_fsdp2_tp2", "moe_ep2_fsdp2_tp2",
-    "fsdp2_tp2_compile", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",
-    "tp2_no_sp", "free_tp2", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
+    "fsdp2_tp2_compile_fused_projections", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",
+    "tp2_no_sp", "free_tp2", "tp2_no_sp_fused_projections", "fsdp2_tp2_fused_projections", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
     "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
 }

@@ -1,6 +1,7 @@
-"""The measuring scripts run end to end on CPU: benchmark.py and loss_compare.py."""
+"""The measuring scripts run end to end on CPU: benchmark.py, loss_compare.py and compare_torchtitan.py."""
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -47,6 +48,23 @@ def test_loss_compare_trains_from_one_seed_and_asserts(corpus_jsonl, tmp_path):
     out = run_command([*script, "--metrics", "single", str(tmp_path / "single" / "metrics.jsonl"),
                        "--metrics", "shifted", str(shifted), "--out", str(tmp_path / "read"), "--assert-within", "1e-3"])
     assert out.returncode == 1 and "FAIL" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
+def test_compare_torchtitan_takes_runs_in_turn_and_prints_each_pairs_ratio(tmp_path):
+    """A stand-in for the TorchTitan runner (it checks the shape it is given and reports 1,000 tokens/s):
+    titanlite's side trains for real, and the ratio is the median of each pair's."""
+    runner = tmp_path / "runner.sh"
+    runner.write_text('[ "$1" = 1rank ] && [ "$TT_VOCAB" = 8192 ] && [ "$TT_STEPS" = 4 ] || exit 3\n'
+                      'echo "torchtitan tps=1000 loss_first=9.0 peak_rss_mib_max=4000"\n')
+    out = run_command([sys.executable, str(REPO / "scripts" / "compare_torchtitan.py"), "--runner", str(runner), "--layouts",
+                       "1rank", "--repeats", "2", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "out")], timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "compare.json").read_text())["results"]["1rank"]
+    ours = [run["tps"] for run in result["titanlite"]["runs"]]
+    assert len(ours) == 2 and result["ratio"] == pytest.approx(statistics.median(ours) / 1000)
+    assert f"| 1rank | {statistics.median(ours):,.0f} | 1,000 | {result['ratio']:.2f} |" in out.stdout
 
 
 def test_curve_difference_fails_on_nan_infinity_and_unequal_length():

@@ -158,6 +158,12 @@ class Model:
         False, "RoPE positions restart at each document (needs attn_mask_type='block_causal'; Megatron's name)",
         extension=True,
     )
+    fused_projections: bool = opt(
+        False,
+        "q/k/v in one matmul, and SwiGLU's w1/w3 in one; parameters, checkpoints and Hugging Face names stay "
+        "separate (speed measured in docs/benchmarks.md; float8 linears keep their own matmuls)",
+        extension=True,
+    )
 
 
 @dataclass

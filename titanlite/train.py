@@ -7,6 +7,7 @@ optimizer step over the gradient-accumulation microbatches.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import json
@@ -22,7 +23,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -31,6 +31,7 @@ from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
 from titanlite.models.args import check_hf_exportable
@@ -70,6 +71,7 @@ def init_distributed(config: JobConfig) -> torch.device:
         enable_flight_recorder(config)
     else:
         device, backend = torch.device("cpu"), "gloo"
+        reuse_freed_host_memory()
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=init_timeout)))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # The workers share torchrun's agent store, which outlives a restart and still holds the dead
@@ -79,6 +81,19 @@ def init_distributed(config: JobConfig) -> torch.device:
         store = dist.PrefixStore(f"titanlite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
     return device
+
+
+def reuse_freed_host_memory() -> None:
+    """On CPU, keep freed memory for the next step. glibc gives every block over 32 MiB (the logits and
+    their gradients) back to the kernel when it is freed, and trims the heap's free top, so each step
+    faults those pages in again and the kernel zeroes them: a fresh 64 MiB tensor costs 25 ms to fill,
+    a reused one 2.5 ms. With mmap off and trimming off, blocks come from the heap and stay there (glibc
+    still maps memory when the heap cannot grow). Other C libraries have no mallopt: nothing changes."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        mallopt(M_MMAP_MAX, 0)
+        mallopt(M_TRIM_THRESHOLD, -1)
 
 
 def enable_flight_recorder(config: JobConfig) -> None:
@@ -134,11 +149,6 @@ def set_collective_timeout(seconds: int, keep=()) -> None:
     for group in [None, *dist.distributed_c10d._world.pg_map]:
         if group not in keep:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed over tokens; the caller divides by the global token count."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:

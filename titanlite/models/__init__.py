@@ -18,14 +18,19 @@ FAMILIES = {
 
 def model_args(name: str, flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0, model_config=None) -> ModelArgs:
     """The flavor's shapes, with the tokenizer's vocab where the flavor leaves it open, a RoPE table
-    as long as the training sequence, `n_layers` blocks when > 0, and the [model] section's attention
-    and MoE settings where set."""
+    as long as the training sequence, `n_layers` blocks when > 0, and the [model] section's attention,
+    projection and MoE settings where set."""
     args = FAMILIES[name].flavors[flavor].with_vocab(vocab_size)
     args = replace(args, max_seq_len=seq_len, n_layers=n_layers or args.n_layers)
     if model_config is None:
         return args
     m = model_config
-    args = replace(args, attn_mask_type=m.attn_mask_type or args.attn_mask_type, attn_type=m.attn_type or args.attn_type)
+    args = replace(
+        args,
+        attn_mask_type=m.attn_mask_type or args.attn_mask_type,
+        attn_type=m.attn_type or args.attn_type,
+        fused_projections=m.fused_projections,
+    )
     if isinstance(args, MoEArgs):
         args = replace(
             args,

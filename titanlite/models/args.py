@@ -27,6 +27,8 @@ class ModelArgs:
     # TorchTitan's other one, runs on flex here). Causal attention runs SDPA's causal kernel.
     attn_mask_type: str = "causal"
     attn_type: str = "flex"
+    # q/k/v in one matmul, and SwiGLU's w1/w3 in one (the parameters stay separate; models/llama.py).
+    fused_projections: bool = False
 
     @property
     def head_dim(self) -> int:

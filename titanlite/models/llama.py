@@ -64,6 +64,42 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class FusedLinear(nn.Module):
+    """Bias-free linears that read the same input, as one matmul: `forward(x, *weights)` returns one
+    output per weight. It holds no parameters: each weight stays in its own nn.Linear under its own
+    name, so checkpoints, FSDP units and the Hugging Face conversion see the separate projections.
+    Under tensor parallel it is given each projection's rows of this rank (parallel/tensor.py)."""
+
+    def forward(self, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Without autograd (evaluation) nothing is saved: the plain concatenation (compile traces no
+        # autograd.Function there).
+        linear = _ConcatenatedLinear.apply if torch.is_grad_enabled() else lambda x, *w: F.linear(x, torch.cat(w))
+        return linear(x, *weights).split([w.shape[0] for w in weights], dim=-1)
+
+
+class _ConcatenatedLinear(torch.autograd.Function):
+    """x @ cat(weights)^T. Backward keeps the weights themselves (the parameters, as separate linears
+    would), not their concatenation, and concatenates them again: under FSDP a copy saved for backward
+    would hold every block's gathered weights through the forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        grad_weight = grad.flatten(0, -2).t() @ x.flatten(0, -2)
+        return grad_x, *grad_weight.split([w.shape[0] for w in weights])
+
+
+def plain_linears(*modules: nn.Module) -> bool:
+    """Fused matmuls take plain nn.Linear weights; a converted linear (float8) runs its own matmul."""
+    return all(type(m) is nn.Linear for m in modules)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -72,6 +108,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.qkv = FusedLinear() if args.fused_projections else None
         # Qwen3: each query and key head is RMS-normalized before RoPE.
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
@@ -79,10 +116,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
+        if self.qkv is not None and plain_linears(self.wq, self.wk, self.wv):
+            q, k, v = self.qkv(x, self.wq.weight, self.wk.weight, self.wv.weight)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # -1 heads: under tensor parallel each rank holds a slice of the heads.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k, v = (t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -91,14 +130,19 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, fused: bool = False):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w13 = FusedLinear() if fused else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is not None and plain_linears(self.w1, self.w3):
+            gate, up = self.w13(x, self.w1.weight, self.w3.weight)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -110,7 +154,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = feed_forward or FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = feed_forward or FeedForward(args.dim, args.ffn_hidden_dim, args.fused_projections)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask)

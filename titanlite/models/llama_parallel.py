@@ -2,10 +2,11 @@
 plain dicts of stock ParallelStyles, its FSDP / pipeline / AC / compile units, and its Hugging Face
 adapter.
 
-TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise. With sequence parallel, activations between
-blocks are sharded along the sequence (Shard(1)): norms run on their shard, and each attention/FFN
-all-gathers its input and reduce-scatters its output. With loss parallel, the logits stay sharded
-over the vocabulary (Shard(-1)).
+TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise; where they run as one matmul (FusedLinear), it
+takes each rank's rows of all of them. With sequence parallel, activations between blocks are sharded
+along the sequence (Shard(1)): norms run on their shard, and each attention/FFN all-gathers its input
+and reduce-scatters its output. With loss parallel, the logits stay sharded over the vocabulary
+(Shard(-1)).
 """
 
 from __future__ import annotations
@@ -18,21 +19,22 @@ from titanlite import hf
 from titanlite.float8 import Float8Linear, Float8PrepareModuleInput
 from titanlite.models.family import ParallelPlan
 from titanlite.models.llama import Transformer
+from titanlite.parallel.tensor import FusedColwiseParallel
 
 # The projections that read each sub-module's gathered input.
 INPUT_PROJECTIONS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
 
 
-def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
-    """The TP plan of a block's attention half: q/k/v column-wise, wo row-wise; under sequence
-    parallel its norm on the sequence shard and the shard gathered before the projections (in
-    float8 when "attention" is in `float8_inputs`)."""
+def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset(), fused: bool = False) -> dict:
+    """The TP plan of a block's attention half: q/k/v column-wise (and their `fused` matmul), wo
+    row-wise; under sequence parallel its norm on the sequence shard and the shard gathered before
+    the projections (in float8 when "attention" is in `float8_inputs`)."""
     plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
-    }
+    } | ({"attention.qkv": FusedColwiseParallel()} if fused else {})
     if sequence_parallel:
         plan |= {
             "attention_norm": SequenceParallel(),
@@ -45,13 +47,14 @@ def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = froz
     return plan | _float8_gathers(float8_inputs & {"attention"}, sequence_parallel)
 
 
-def feed_forward_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
-    """The TP plan of a dense SwiGLU: w1/w3 column-wise, w2 row-wise (its input gathered under SP)."""
+def feed_forward_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset(), fused: bool = False) -> dict:
+    """The TP plan of a dense SwiGLU: w1/w3 column-wise (and their `fused` matmul), w2 row-wise (its
+    input gathered under SP)."""
     plan = {
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
-    }
+    } | ({"feed_forward.w13": FusedColwiseParallel()} if fused else {})
     if sequence_parallel:
         plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan | _float8_gathers(float8_inputs & {"feed_forward"}, sequence_parallel)
@@ -62,9 +65,16 @@ def _float8_gathers(names: set[str], sequence_parallel: bool) -> dict:
     return {name: Float8PrepareModuleInput() for name in names} if sequence_parallel else {}
 
 
-def block_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
+def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | None) -> dict:
     """The TP plan of one TransformerBlock."""
-    return attention_plan(sequence_parallel, float8_inputs) | feed_forward_plan(sequence_parallel, float8_inputs)
+    float8_inputs = float8_gathered_inputs(block, float8_recipe)
+    return attention_plan(sequence_parallel, float8_inputs, fused_attention(block)) | feed_forward_plan(
+        sequence_parallel, float8_inputs, block.feed_forward.w13 is not None
+    )
+
+
+def fused_attention(block: nn.Module) -> bool:
+    return block.attention.qkv is not None
 
 
 def float8_gathered_inputs(block: nn.Module, float8_recipe: str | None) -> frozenset[str]:
@@ -106,9 +116,7 @@ PLAN = ParallelPlan(
     blocks="layers",
     tail=("norm", "output"),
     tp_plan=model_plan,
-    block_tp_plan=lambda block, sequence_parallel, float8_recipe: block_plan(
-        sequence_parallel, float8_gathered_inputs(block, float8_recipe)
-    ),
+    block_tp_plan=block_plan,
     compile_units=compile_units,
     hf=hf,
 )

@@ -37,7 +37,7 @@ def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | N
     if not isinstance(block.feed_forward, MoE):
         return llama_parallel.PLAN.block_tp_plan(block, sequence_parallel, float8_recipe)
     gathered = llama_parallel.float8_gathered_inputs(block, float8_recipe)
-    return llama_parallel.attention_plan(sequence_parallel, gathered) | {
+    return llama_parallel.attention_plan(sequence_parallel, gathered, llama_parallel.fused_attention(block)) | {
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
     }
 

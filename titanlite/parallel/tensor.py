@@ -2,14 +2,16 @@
 ParallelStyles, applied to the model (its head and tail) and to each block.
 
 With loss parallel the logits stay sharded over the vocabulary and the cross entropy is computed
-without gathering them (`torch.distributed.tensor.parallel.loss_parallel`).
+without gathering them (`torch.distributed.tensor.parallel.loss_parallel`). Projections fused into one
+matmul (a family's FusedLinear) take `FusedColwiseParallel` below.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
 def apply_tp(
@@ -18,3 +20,23 @@ def apply_tp(
     parallelize_module(model, tp_mesh, plan.tp_plan(model, sequence_parallel, loss_parallel))
     for block in getattr(model, plan.blocks).values():
         parallelize_module(block, tp_mesh, plan.block_tp_plan(block, sequence_parallel, float8_recipe))
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Column-wise parallel for a FusedLinear, which is given the weights of several projections that
+    their own ColwiseParallel split by rows. This rank's rows are whole heads of q, k and v (or the
+    matching halves of w1 and w3), so it multiplies its input by all of them in one local matmul and
+    gets its heads of each projection. The input arrives replicated: gathered by sequence parallel
+    (a DTensor), or the same plain tensor on every rank. Its gradient leaves as a partial sum over
+    the ranks' rows, which the gather's backward reduce-scatters, or an all-reduce sums."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._local_operands)
+
+    @staticmethod
+    def _local_operands(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        x, *weights = inputs
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+        x = x.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return (x, *(w.to_local() for w in weights))

@@ -1,0 +1,53 @@
+"""The training loss (titanlite/loss.py) against torch's cross entropy, and the CPU runs' reuse of
+freed host memory (train.reuse_freed_host_memory)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlite.loss import cross_entropy_sum
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_summed_cross_entropy_equals_torchs_in_value_and_gradient(dtype, tolerance):
+    gen = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 48, 500, generator=gen)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 500, (2, 48), generator=gen)
+    ours = cross_entropy_sum(logits, labels)
+    assert type(ours.grad_fn).__name__ == "SummedCrossEntropyBackward"  # the fused path ran
+    (grad,) = torch.autograd.grad(ours / 7, logits)  # backward scales by the incoming gradient
+    theirs = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    (expected,) = torch.autograd.grad(theirs / 7, logits)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    assert grad.dtype == dtype
+    assert (grad.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    with torch.no_grad():  # evaluation: torch's, nothing kept for a backward
+        assert cross_entropy_sum(logits, labels).item() == pytest.approx(theirs.item(), rel=1e-6)
+
+
+def test_a_freed_large_tensor_comes_back_without_page_faults():
+    """glibc maps a 64 MiB block afresh each time (16,384 pages faulted in and zeroed by the kernel);
+    after reuse_freed_host_memory it comes from the heap, already resident. In a process of its own:
+    the setting is process-wide."""
+    script = textwrap.dedent("""
+        import resource, torch
+        from titanlite.train import reuse_freed_host_memory
+
+        def faults_of_a_64mib_tensor():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            torch.ones(16, 2**20)  # allocated, written and freed
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+        faults_of_a_64mib_tensor()
+        plain = faults_of_a_64mib_tensor()
+        reuse_freed_host_memory()
+        faults_of_a_64mib_tensor()  # the heap grows once
+        print(plain, faults_of_a_64mib_tensor())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    plain, reused = map(int, out.split())
+    assert plain > 10_000 and reused < 100, (plain, reused)
