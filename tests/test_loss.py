@@ -51,3 +51,33 @@ def test_a_freed_large_tensor_comes_back_without_page_faults():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     plain, reused = map(int, out.split())
     assert plain > 10_000 and reused < 100, (plain, reused)
+
+
+def _vocab_parallel_against_whole(vocab: int) -> tuple[float, float]:
+    """(loss difference, largest gradient difference) of the loss on vocabulary-split logits against
+    torch's on the whole logits."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    whole = (4 * torch.randn(2, 24, vocab, generator=gen)).requires_grad_()
+    labels = torch.randint(0, vocab, (2, 24), generator=gen)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    split = distribute_tensor(whole.detach(), mesh, [Shard(-1)]).requires_grad_()
+    ours = cross_entropy_sum(split, labels)
+    assert type(ours.grad_fn).__name__ == "VocabParallelCrossEntropyBackward"
+    (ours / 3).backward()
+    theirs = F.cross_entropy(whole.flatten(0, 1), labels.flatten(), reduction="sum")
+    (theirs / 3).backward()
+    grad = split.grad.full_tensor()
+    return abs(ours.item() - theirs.item()) / theirs.item(), ((grad - whole.grad).abs().max() / whole.grad.abs().max()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", [512, 501])  # 501: the ranks' slices differ in size (251 and 250)
+def test_vocab_parallel_cross_entropy_equals_torchs_on_the_whole_logits(vocab):
+    from distributed import run_distributed
+
+    for loss_difference, grad_difference in run_distributed(_vocab_parallel_against_whole, 2, vocab):
+        assert loss_difference < 1e-6 and grad_difference < 1e-6

@@ -60,11 +60,17 @@ def _toy_fsdp_with_ac() -> tuple:
     model(torch.randint(0, 16, (2, 4))).sum().backward()
     units = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
     sharded = all(isinstance(p, DTensor) and p.grad is not None for p in model.parameters())
-    return units, sharded
+    names = {id(m): name for name, m in model.named_modules()}
+    prefetch = {names[id(m)]: [names[id(s._modules[0])] for s in m._get_fsdp_state()._states_to_forward_prefetch]
+                for m in model.modules() if isinstance(m, FSDPModule)}
+    return units, sharded, prefetch
 
 
 @pytest.mark.slow
 def test_fsdp_and_activation_checkpointing_take_the_family_units():
-    units, sharded = run_distributed(_toy_fsdp_with_ac, 2, timeout=120)[0]
+    units, sharded, prefetch = run_distributed(_toy_fsdp_with_ac, 2, timeout=120)[0]
     # Head, each block (wrapped for AC), the tail, the root: from the plan's names alone.
     assert units == ["", "embed", "final", "stack.0", "stack.1", "stack.2"] and sharded
+    # In forward each unit starts the next one's all-gather.
+    assert prefetch == {"": [], "embed": ["stack.0"], "stack.0": ["stack.1"], "stack.1": ["stack.2"], "stack.2": ["final"],
+                        "final": []}

@@ -6,27 +6,35 @@ Every label counts: the loader packs full windows, so there is no padding and no
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed over tokens. In eager training on whole logits, `SummedCrossEntropy`; vocabulary-sharded
-    logits (loss parallel), compiled losses (inductor fuses the plain one) and evaluation take
-    F.cross_entropy."""
+    """Summed over tokens. In eager training, `SummedCrossEntropy` on whole logits and
+    `VocabParallelCrossEntropy` on logits split over the vocabulary (loss parallel); compiled losses
+    (inductor fuses the plain one), evaluation and other layouts take F.cross_entropy."""
     logits, labels = logits.flatten(0, 1), labels.flatten(0, 1)
-    if isinstance(logits, DTensor) or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return F.cross_entropy(logits.float(), labels, reduction="sum")
-    return SummedCrossEntropy.apply(logits, labels)
+    if not isinstance(logits, DTensor):
+        return SummedCrossEntropy.apply(logits, labels)
+    if logits.device_mesh.ndim == 1 and logits.placements == (Shard(1),):
+        mesh = logits.device_mesh
+        # Shard splits like torch.chunk: every rank but the last holds ceil(vocab / ranks) entries.
+        first = mesh.get_local_rank() * -(-logits.shape[-1] // mesh.size())
+        return VocabParallelCrossEntropy.apply(logits.to_local(), labels, mesh.get_group(), first)
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
 class SummedCrossEntropy(torch.autograd.Function):
     """-sum(log_softmax(logits)[label]), with the gradient, softmax(logits) - onehot(label), made in
-    forward in the log-softmax's own (tokens, vocab) fp32 buffer, which backward scales in place. F.cross_entropy keeps
-    the log-softmax for backward, then builds a zeroed one-hot gradient and the input's gradient:
-    two more such buffers at the peak, and two more passes over them. At Llama 3's 128K vocabulary and
-    8K tokens a microbatch, each is 4 GiB."""
+    forward in the log-softmax's own (tokens, vocab) fp32 buffer, which backward scales in place.
+    F.cross_entropy keeps the log-softmax for backward, then builds a zeroed one-hot gradient and the
+    input's gradient: two more such buffers at the peak, and two more passes over them. At Llama 3's
+    128K vocabulary and 8K tokens a microbatch, each is 4 GiB."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -43,3 +51,37 @@ class SummedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors
         return grad.mul_(grad_loss).to(ctx.dtype), None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Loss parallel: each rank holds the logits of a slice of the vocabulary, starting at `first`.
+    It takes its slice's log-sum-exp per token and the label's logit where the label is in its slice
+    (0 elsewhere); one all-gather of both gives every rank the whole log-sum-exp and the loss. Its
+    slice's gradient, softmax - onehot, is made in forward in the log-softmax's buffer, as in
+    SummedCrossEntropy. (torch's loss_parallel takes three collectives and keeps more buffers.)"""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, first: int) -> torch.Tensor:
+        x = logits.float()
+        grad = torch.log_softmax(x, dim=-1)
+        rows = torch.arange(len(labels), device=labels.device)
+        local = labels - first
+        mine = (local >= 0) & (local < x.shape[-1])
+        local = local.clamp(0, x.shape[-1] - 1)
+        slice_lse = x[:, 0] - grad[:, 0]
+        parts = torch.stack([slice_lse, (grad[rows, local] + slice_lse) * mine])
+        gathered = parts.new_empty((dist.get_world_size(group) * 2, len(labels)))
+        dist.all_gather_into_tensor(gathered, parts, group=group)
+        gathered = gathered.view(-1, 2, len(labels))
+        lse = torch.logsumexp(gathered[:, 0], dim=0)
+        loss = (lse - gathered[:, 1].sum(dim=0)).sum()
+        grad.sub_((lse - slice_lse).unsqueeze(-1)).exp_()[rows, local] -= mine.to(grad.dtype)
+        ctx.save_for_backward(grad)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_loss).to(ctx.dtype), None, None, None

@@ -1,5 +1,6 @@
 """FSDP2 (`fully_shard`) per block, per module of the family's head (Llama: the embedding), its tail
-as one unit (Llama: final norm + output) and the root.
+as one unit (Llama: final norm + output) and the root; in forward each unit starts the next one's
+all-gather.
 
 One mesh dim shards (FSDP), two dims replicate-and-shard (HSDP); a replicate dim with shard size 1
 is plain data parallel (DDP). Split routed experts (expert parallel, expert TP) are a unit of
@@ -31,7 +32,9 @@ def apply_fsdp(
 ) -> None:
     shard = dict(
         mesh=dp_mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        # Inputs keep their dtype (TorchTitan's setting): the hidden state is already in param_dtype from the
+        # embedding, and the RoPE rows each block is given stay fp32 instead of rounding to bf16's 8 bits.
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
     for module in _present(model, plan.head):
@@ -47,6 +50,12 @@ def apply_fsdp(
     if tail:
         fully_shard(tail, reshard_after_forward=reshard_output_after_forward, **shard)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **shard)
+    # Each unit starts the next one's all-gather as soon as its own is in: otherwise that gather would
+    # start at the next unit's forward. On a GPU the CPU runs ahead of the kernels and it still overlaps;
+    # on a CPU the thread that computes a block is the one that would start the gather, so nothing would.
+    units = [*_present(model, plan.head), *getattr(model, plan.blocks).values(), *([tail[0]] if tail else [])]
+    for unit, following in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([following])
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
