@@ -31,8 +31,8 @@ def test_summed_cross_entropy_equals_torchs_in_value_and_gradient(dtype, toleran
 
 def test_a_freed_large_tensor_comes_back_without_page_faults():
     """glibc maps a 64 MiB block afresh each time (16,384 pages faulted in and zeroed by the kernel);
-    after reuse_freed_host_memory it comes from the heap, already resident. In a process of its own:
-    the setting is process-wide."""
+    after reuse_freed_host_memory it comes from the heap, already resident (the median of 5 tries). In
+    a process of its own: the setting is process-wide."""
     script = textwrap.dedent("""
         import resource, torch
         from titanlite.train import reuse_freed_host_memory
@@ -45,12 +45,12 @@ def test_a_freed_large_tensor_comes_back_without_page_faults():
         faults_of_a_64mib_tensor()
         plain = faults_of_a_64mib_tensor()
         reuse_freed_host_memory()
-        faults_of_a_64mib_tensor()  # the heap grows once
-        print(plain, faults_of_a_64mib_tensor())
+        faults_of_a_64mib_tensor(), faults_of_a_64mib_tensor()  # the heap grows (now and then twice)
+        print(plain, *(faults_of_a_64mib_tensor() for _ in range(5)))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    plain, reused = map(int, out.split())
-    assert plain > 10_000 and reused < 100, (plain, reused)
+    plain, *reused = map(int, out.split())
+    assert plain > 10_000 and sorted(reused)[2] < 100, (plain, reused)
 
 
 def _vocab_parallel_against_whole(vocab: int) -> tuple[float, float]:
@@ -75,9 +75,9 @@ def _vocab_parallel_against_whole(vocab: int) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("vocab", [512, 501])  # 501: the ranks' slices differ in size (251 and 250)
-def test_vocab_parallel_cross_entropy_equals_torchs_on_the_whole_logits(vocab):
+def test_vocab_parallel_cross_entropy_equals_torchs_on_the_whole_logits():
+    """On 2 ranks, with slices of 251 and 250 entries (the parity suite's TP cases hold even ones)."""
     from distributed import run_distributed
 
-    for loss_difference, grad_difference in run_distributed(_vocab_parallel_against_whole, 2, vocab):
+    for loss_difference, grad_difference in run_distributed(_vocab_parallel_against_whole, 2, 501):
         assert loss_difference < 1e-6 and grad_difference < 1e-6

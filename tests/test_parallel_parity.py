@@ -424,7 +424,8 @@ EXTENDED = {
     "doc_cp2_fsdp2_compile", "pp2_gpipe", "tp2_ac_every_2nd_block", "moe_ep2_ac_full", "fsdp2_float8_rowwise",
     "cp2_allgather_no_balance", "moe_ep4_tp2_float8", "moe_hsdp2x2_ep2", "free_fsdp2_tp2", "moe_ep2_fsdp2_tp2",
     "fsdp2_tp2_compile_fused_projections", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",
-    "tp2_no_sp", "free_tp2", "tp2_no_sp_fused_projections", "fsdp2_tp2_fused_projections", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
+    "tp2_no_sp", "free_tp2", "tp2_no_sp_fused_projections", "fsdp2_tp2_fused_projections", "tp2_compile_fused_projections",
+    "fsdp2_fused_projections_ac_selective_op", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
     "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
 }
