@@ -26,3 +26,28 @@ def test_bf16_mixed_precision_leaves_the_rope_rows_in_fp32(corpus_jsonl, tmp_pat
     """FSDP computes in bf16, but does not cast the blocks' inputs: RoPE's cos/sin rows stay fp32."""
     (seen,) = run_distributed(_dtypes_reaching_a_bf16_block, 1, str(corpus_jsonl), str(tmp_path))
     assert seen == {"hidden": "torch.bfloat16", "rope": "torch.float32", "finite": True}
+
+
+def _both_reduce_scatters() -> list:
+    import torch
+    import torch.distributed as dist
+
+    from titanlite.parallel.fsdp import AllToAllReduceScatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for numel_per_rank in (1, 1000):
+        inputs = torch.randn(world * numel_per_rank, generator=torch.Generator().manual_seed(rank))
+        expected, got = torch.empty(numel_per_rank), torch.empty(numel_per_rank)
+        dist.reduce_scatter_tensor(expected, inputs.clone())
+        AllToAllReduceScatter()(got, inputs, dist.group.WORLD, dist.ReduceOp.SUM)
+        results.append({"max_error": (got - expected).abs().max().item(), "finite": bool(got.isfinite().all())})
+    return results
+
+
+@pytest.mark.slow
+def test_the_all_to_all_reduce_scatter_sums_like_gloos_own():
+    """The reduce-scatter FSDP runs on CPU gives each rank the sum of its slice (3 ranks, 2 sizes)."""
+    for rank_results in run_distributed(_both_reduce_scatters, 3):
+        for result in rank_results:
+            assert result["finite"] and result["max_error"] < 1e-6, result

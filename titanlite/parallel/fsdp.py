@@ -7,15 +7,18 @@ is plain data parallel (DDP). Split routed experts (expert parallel, expert TP) 
 their own on `expert_mesh` (the routing ranks that hold the same experts), inside their block's unit; under tensor
 parallel a MoE layer is one on `moe_mesh` (the data ranks and tp, whose ranks routed other tokens).
 The loss is divided by the global count of valid tokens, so FSDP's
-own averaging over ranks is turned off (gradient divide factor 1): gradients are summed.
+own averaging over ranks is turned off (gradient divide factor 1): gradients are summed. On CPU
+the sum is an all-to-all of the gradient slices and a local add (`AllToAllReduceScatter`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 
 def apply_fsdp(
@@ -61,6 +64,23 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             # A plain SUM (no pre-multiplied sum): same result, and gloo has no PREMUL_SUM.
             module.set_force_sum_reduction_for_comms(True)
+            if dp_mesh.device_type == "cpu":
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
+class AllToAllReduceScatter(ReduceScatter):
+    """A summing reduce-scatter for gloo, which runs `reduce_scatter` as a whole all-reduce and keeps
+    one slice: each rank sends every other rank its slice and adds what it receives, half the bytes
+    (2 ranks, 0.8M and 4.2M floats: 7.9 and 37 ms against 16 and 90 ms)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
+        assert op == dist.ReduceOp.SUM and not async_op, (op, async_op)
+        received = torch.empty(group.size(), output_tensor.numel(), dtype=input_tensor.dtype, device=input_tensor.device)
+        dist.all_to_all_single(received, input_tensor.view(group.size(), -1), group=group)
+        torch.sum(received, dim=0, out=output_tensor)
 
 
 def _present(model: nn.Module, names) -> list[nn.Module]:
