@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import time
@@ -43,14 +44,14 @@ LAYOUTS = {  # name: (ranks, titanlite overrides)
 }
 
 
-def titanlite_run(layout: str, steps: int, warmup: int, folder: Path) -> dict:
+def titanlite_run(layout: str, steps: int, warmup: int, folder: Path, extra: list[str]) -> dict:
     ranks, overrides = LAYOUTS[layout]
     args = [
         "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--training.steps", str(steps),
         "--training.seq_len", SHAPE["TT_SEQ_LEN"], "--training.local_batch_size", SHAPE["TT_LBS"],
         "--training.mixed_precision_param", "float32", "--model.attn_mask_type", "block_causal", "--model.attn_type", "sdpa",
         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
-        "--checkpoint.enable", "false", *overrides, "--job.dump_folder", str(folder),
+        "--checkpoint.enable", "false", *overrides, *extra, "--job.dump_folder", str(folder),
     ]
     run_trainer(ranks, args, threads_per_rank=2 if ranks == 1 else 1, log=folder / "train.log")
     rows = read_metrics(folder)[warmup:]
@@ -85,6 +86,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "compare_torchtitan")
+    parser.add_argument("--titanlite-args", default="", help="more overrides for titanlite's runs, e.g. "
+                        "--titanlite-args='--model.fused_projections' "
+                        "(TorchTitan 0.3.0's llama3 fuses q/k/v by default)")
     args = parser.parse_args()
     tokenizer_dir = tokenizer_folder(args.out)
     results = {}
@@ -92,7 +96,7 @@ def main() -> None:
         sides = {"titanlite": [], "torchtitan": []}
         for repeat in range(args.repeats):
             folder = args.out / layout / f"titanlite_{repeat}"
-            sides["titanlite"].append(titanlite_run(layout, args.steps, args.warmup, folder))
+            sides["titanlite"].append(titanlite_run(layout, args.steps, args.warmup, folder, shlex.split(args.titanlite_args)))
             sides["torchtitan"].append(torchtitan_run(args.runner, layout, args.steps, args.warmup, tokenizer_dir,
                                                       args.out / layout / f"torchtitan_{repeat}.log"))
             print(f"{layout} repeat {repeat}: " + ", ".join(f"{side} {runs[-1]['tps']:,.0f} tok/s, {runs[-1]['peak_mib']:,.0f} MiB"
@@ -108,8 +112,11 @@ def main() -> None:
         lines.append(f"| {layout} | {ours['tps']:,.0f} | {theirs['tps']:,.0f} | {r['ratio']:.2f} | "
                      f"{', '.join(f'{p:.2f}' for p in pairs)} | {ours['peak_mib']:,.0f} | {theirs['peak_mib']:,.0f} | "
                      f"{ours['peak_mib'] / theirs['peak_mib']:.2f} |")
+    if args.titanlite_args:
+        lines.append(f"titanlite ran with {args.titanlite_args}")
     print("\n".join(lines))
-    (args.out / "compare.json").write_text(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}, indent=1))
+    (args.out / "compare.json").write_text(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "titanlite_args": args.titanlite_args,
+                                                       "results": results}, indent=1))
 
 
 if __name__ == "__main__":

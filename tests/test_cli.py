@@ -146,24 +146,29 @@ def test_dry_run_checks_a_moe_layout_with_expert_and_pipeline_parallel():
     assert "235,093,634,560 params" in out.stdout
 
 
-def test_parallel_layouts_match_one_process_through_the_cli(corpus_jsonl, tmp_path):
-    """Free-running loss curves of 8 steps: 1 process vs 1 compiled process, FSDP 2, PP 2 and FSDP 2 x TP 2
-    (same global batches)."""
+# The same global batches on every layout: 4 sequences of training and of validation per step.
+LAYOUT_RUNS = {
+    "single": (1, ["--training.local_batch_size", "4"]),
+    "single_compiled": (1, ["--training.local_batch_size", "4", "--compile.enable"]),
+    "fsdp2": (2, ["--training.local_batch_size", "2"]),
+    "pp2": (2, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "fsdp2_tp2": (4, ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.parametrize("layouts", [
+    pytest.param(["pp2", "fsdp2_tp2"], id="pp2_fsdp2_tp2"),
+    pytest.param(["single_compiled", "fsdp2"], marks=pytest.mark.full, id="compiled_fsdp2"),
+])
+def test_parallel_layouts_match_one_process_through_the_cli(layouts, corpus_jsonl, tmp_path):
+    """Free-running loss curves of 8 steps and 2 validations against 1 process's (same global batches)."""
     common = ["--training.steps", "8", "--training.data_split", "sequences", "--model.flavor", "debugmodel_gqa",
               "--validation.enable", "--validation.dataset", str(corpus_jsonl), "--validation.freq", "4"]
-    runs = {
-        "single": (1, ["--training.local_batch_size", "4"]),
-        "single_compiled": (1, ["--training.local_batch_size", "4", "--compile.enable"]),
-        "fsdp2": (2, ["--training.local_batch_size", "2"]),
-        "pp2": (2, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-        "fsdp2_tp2": (4, ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]),
-    }
-    for _, extra in runs.values():  # validation batches of the same global size (4 sequences) on every layout
-        extra += ["--validation.local_batch_size", extra[1]]
     losses = {}
-    for name, (nproc, extra) in runs.items():
-        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra))
+    for name in ["single", *layouts]:
+        nproc, extra = LAYOUT_RUNS[name]
+        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra, "--validation.local_batch_size", extra[1]))
         assert out.returncode == 0, (name, out.stderr[-3000:])
         rows = metrics(tmp_path / name)
         losses[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]

@@ -24,8 +24,20 @@ def measured_peak_gib(corpus, folder, nproc, *extra) -> float:
     return max(r["memory_gib"] for r in metrics(folder))
 
 
-@pytest.mark.slow
-def test_memory_estimate_within_15_percent_of_measured_peak(corpus_jsonl, tmp_path):
+# name: (ranks, overrides, the planner's layout)
+MEMORY_LAYOUTS = {
+    "1 rank": (1, [], Layout(microbatch=BATCH)),
+    "FSDP 2": (2, [], Layout(dp_shard=2, microbatch=BATCH)),
+    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2"], Layout(tp=2, microbatch=BATCH)),
+    "FSDP 2, full AC": (2, ["--activation_checkpoint.mode", "full"], Layout(dp_shard=2, microbatch=BATCH, ac="full")),
+}
+
+
+@pytest.mark.parametrize("names", [
+    pytest.param(["1 rank", "FSDP 2"], marks=pytest.mark.slow, id="fsdp"),
+    pytest.param(["TP 2", "FSDP 2, full AC"], marks=pytest.mark.full, id="tp_ac"),
+])
+def test_memory_estimate_within_15_percent_of_measured_peak(names, corpus_jsonl, tmp_path):
     # The runtime's own memory (Python, torch, gloo, data pipeline) is a constant the planner takes
     # as given: measured here as a tiny run's peak minus the planner's estimate of that tiny run, on
     # as many ranks as the layout (each rank's gloo groups of the mesh cost memory too: ~0.05-0.1 GiB
@@ -35,20 +47,15 @@ def test_memory_estimate_within_15_percent_of_measured_peak(corpus_jsonl, tmp_pa
     baseline = {
         nproc: measured_peak_gib(corpus_jsonl, tmp_path / f"tiny{nproc}", nproc, *tiny) * GIB - estimate(
             args, 16, nproc, CPU, Layout(dp_shard=nproc), act_bytes=4, overhead=0).memory_total
-        for nproc in (1, 2)
+        for nproc in sorted({MEMORY_LAYOUTS[name][0] for name in names})
     }
 
     args = model_args("llama3", "debugmodel", 259, SEQ)
     shape = ["--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH)]
-    layouts = {
-        "1 rank": (1, [], Layout(microbatch=BATCH)),
-        "FSDP 2": (2, [], Layout(dp_shard=2, microbatch=BATCH)),
-        "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2"], Layout(tp=2, microbatch=BATCH)),
-        "FSDP 2, full AC": (2, ["--activation_checkpoint.mode", "full"], Layout(dp_shard=2, microbatch=BATCH, ac="full")),
-    }
     report = {}
-    for name, (nproc, extra, layout) in layouts.items():
-        measured = measured_peak_gib(corpus_jsonl, tmp_path / name.replace(" ", "_"), nproc, *shape, *extra)
+    for name in names:
+        nproc, extra, layout = MEMORY_LAYOUTS[name]
+        measured = measured_peak_gib(corpus_jsonl, tmp_path / name.replace(" ", "_").replace(",", ""), nproc, *shape, *extra)
         global_batch = BATCH * layout.dp_shard
         predicted = estimate(args, SEQ, global_batch, CPU, layout, act_bytes=4, overhead=baseline[nproc]).memory_total / GIB
         report[name] = (round(measured, 3), round(predicted, 3))

@@ -49,8 +49,13 @@ class SummedCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_loss).to(ctx.dtype), None
+        return _scaled_saved_gradient(ctx, grad_loss), None
+
+
+def _scaled_saved_gradient(ctx, grad_loss: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient made in forward, times the loss's gradient, in place, in the logits' dtype."""
+    (grad,) = ctx.saved_tensors
+    return grad.mul_(grad_loss).to(ctx.dtype)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -83,5 +88,4 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_loss).to(ctx.dtype), None, None, None
+        return _scaled_saved_gradient(ctx, grad_loss), None, None, None
