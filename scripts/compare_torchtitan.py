@@ -87,8 +87,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "compare_torchtitan")
     parser.add_argument("--titanlite-args", default="", help="more overrides for titanlite's runs, e.g. "
-                        "--titanlite-args='--model.fused_projections' "
-                        "(TorchTitan 0.3.0's llama3 fuses q/k/v by default)")
+                        "--titanlite-args='--model.fused_projections false' "
+                        "(the separate projections)")
     args = parser.parse_args()
     tokenizer_dir = tokenizer_folder(args.out)
     results = {}

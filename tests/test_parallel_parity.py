@@ -259,6 +259,7 @@ CASES_2 = {
     "tp2_no_lp": [TP, "2", "--parallelism.disable_loss_parallel"],
     # q/k/v and w1/w3 as one matmul each: every rank's rows of them, gathered input, partial input gradient.
     "tp2_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections"],
+    "tp2_separate_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections", "false"],
     "tp2_no_sp_fused_projections": [TP, "2", "--parallelism.enable_sequence_parallel", "false", "--model.fused_projections"],
     "fsdp2_fused_projections_ac_selective_op": ["--model.fused_projections", "--activation_checkpoint.mode", "selective"],
     # Compiled attention and feed-forward under TP trace the fused matmul, also without autograd (validation).
@@ -428,7 +429,7 @@ EXTENDED = {
     "fsdp2_fused_projections_ac_selective_op", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
     "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
-    "tp2_sp_lp", "free_cp2", "moe_fsdp2", "doc_fsdp2", "free_moe_ep2",
+    "tp2_sp_lp", "free_cp2", "doc_fsdp2",
 }
 TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2
 FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4

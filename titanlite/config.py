@@ -159,9 +159,10 @@ class Model:
         extension=True,
     )
     fused_projections: bool = opt(
-        False,
-        "q/k/v in one matmul, and SwiGLU's w1/w3 in one; parameters, checkpoints and Hugging Face names stay "
-        "separate (speed measured in docs/benchmarks.md; float8 linears keep their own matmuls)",
+        True,
+        "q/k/v in one matmul, and SwiGLU's w1/w3 in one (TorchTitan 0.3.0 fuses q/k/v by default); parameters, "
+        "checkpoints and Hugging Face names stay separate (speed measured in docs/benchmarks.md; float8 linears "
+        "keep their own matmuls)",
         extension=True,
     )
 

@@ -42,20 +42,25 @@ class SummedCrossEntropy(torch.autograd.Function):
         rows = torch.arange(len(labels), device=labels.device)
         loss = -grad[rows, labels].sum()
         grad.exp_()[rows, labels] -= 1
-        ctx.save_for_backward(grad)
-        ctx.dtype = logits.dtype
+        keep_logits_gradient(ctx, grad, logits.dtype, other_inputs=1)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
-        return _scaled_saved_gradient(ctx, grad_loss), None
+        return scaled_logits_gradient(ctx, grad_loss)
 
 
-def _scaled_saved_gradient(ctx, grad_loss: torch.Tensor) -> torch.Tensor:
-    """The logits' gradient made in forward, times the loss's gradient, in place, in the logits' dtype."""
+def keep_logits_gradient(ctx, grad: torch.Tensor, dtype: torch.dtype, other_inputs: int) -> None:
+    ctx.save_for_backward(grad)
+    ctx.dtype, ctx.other_inputs = dtype, other_inputs
+
+
+def scaled_logits_gradient(ctx, grad_loss: torch.Tensor) -> tuple:
+    """The logits' gradient made in forward, times the loss's gradient, in place, in the logits' dtype;
+    no gradient for the other inputs (labels, group, ...)."""
     (grad,) = ctx.saved_tensors
-    return grad.mul_(grad_loss).to(ctx.dtype)
+    return (grad.mul_(grad_loss).to(ctx.dtype),) + (None,) * ctx.other_inputs
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -81,11 +86,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         lse = torch.logsumexp(gathered[:, 0], dim=0)
         loss = (lse - gathered[:, 1].sum(dim=0)).sum()
         grad.sub_((lse - slice_lse).unsqueeze(-1)).exp_()[rows, local] -= mine.to(grad.dtype)
-        ctx.save_for_backward(grad)
-        ctx.dtype = logits.dtype
+        keep_logits_gradient(ctx, grad, logits.dtype, other_inputs=3)
         return loss
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):
-        return _scaled_saved_gradient(ctx, grad_loss), None, None, None
+    backward = staticmethod(SummedCrossEntropy.backward)  # the same: the gradient was made in forward
