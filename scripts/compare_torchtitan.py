@@ -90,13 +90,14 @@ def main() -> None:
                         "--titanlite-args='--model.fused_projections false' "
                         "(the separate projections)")
     args = parser.parse_args()
+    titanlite_extra = shlex.split(args.titanlite_args)
     tokenizer_dir = tokenizer_folder(args.out)
     results = {}
     for layout in args.layouts:
         sides = {"titanlite": [], "torchtitan": []}
         for repeat in range(args.repeats):
             folder = args.out / layout / f"titanlite_{repeat}"
-            sides["titanlite"].append(titanlite_run(layout, args.steps, args.warmup, folder, shlex.split(args.titanlite_args)))
+            sides["titanlite"].append(titanlite_run(layout, args.steps, args.warmup, folder, titanlite_extra))
             sides["torchtitan"].append(torchtitan_run(args.runner, layout, args.steps, args.warmup, tokenizer_dir,
                                                       args.out / layout / f"torchtitan_{repeat}.log"))
             print(f"{layout} repeat {repeat}: " + ", ".join(f"{side} {runs[-1]['tps']:,.0f} tok/s, {runs[-1]['peak_mib']:,.0f} MiB"

@@ -42,7 +42,7 @@ class SummedCrossEntropy(torch.autograd.Function):
         rows = torch.arange(len(labels), device=labels.device)
         loss = -grad[rows, labels].sum()
         grad.exp_()[rows, labels] -= 1
-        keep_logits_gradient(ctx, grad, logits.dtype, other_inputs=1)
+        keep_logits_gradient(ctx, grad, logits.dtype)
         return loss
 
     @staticmethod
@@ -51,16 +51,16 @@ class SummedCrossEntropy(torch.autograd.Function):
         return scaled_logits_gradient(ctx, grad_loss)
 
 
-def keep_logits_gradient(ctx, grad: torch.Tensor, dtype: torch.dtype, other_inputs: int) -> None:
+def keep_logits_gradient(ctx, grad: torch.Tensor, dtype: torch.dtype) -> None:
     ctx.save_for_backward(grad)
-    ctx.dtype, ctx.other_inputs = dtype, other_inputs
+    ctx.dtype = dtype
 
 
 def scaled_logits_gradient(ctx, grad_loss: torch.Tensor) -> tuple:
     """The logits' gradient made in forward, times the loss's gradient, in place, in the logits' dtype;
     no gradient for the other inputs (labels, group, ...)."""
     (grad,) = ctx.saved_tensors
-    return (grad.mul_(grad_loss).to(ctx.dtype),) + (None,) * ctx.other_inputs
+    return (grad.mul_(grad_loss).to(ctx.dtype),) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -86,7 +86,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         lse = torch.logsumexp(gathered[:, 0], dim=0)
         loss = (lse - gathered[:, 1].sum(dim=0)).sum()
         grad.sub_((lse - slice_lse).unsqueeze(-1)).exp_()[rows, local] -= mine.to(grad.dtype)
-        keep_logits_gradient(ctx, grad, logits.dtype, other_inputs=3)
+        keep_logits_gradient(ctx, grad, logits.dtype)
         return loss
 
     backward = staticmethod(SummedCrossEntropy.backward)  # the same: the gradient was made in forward

@@ -59,14 +59,14 @@ def apply_fsdp(
     units = [*_present(model, plan.head), *getattr(model, plan.blocks).values(), *([tail[0]] if tail else [])]
     for unit, following in zip(units, units[1:]):
         unit.set_modules_to_forward_prefetch([following])
-    on_gloo = dist.get_backend(dp_mesh.get_group(-1)) == "gloo"
+    gloo_reduce_scatter = AllToAllReduceScatter() if dist.get_backend(dp_mesh.get_group(-1)) == "gloo" else None
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # A plain SUM (no pre-multiplied sum): same result, and gloo has no PREMUL_SUM.
             module.set_force_sum_reduction_for_comms(True)
-            if on_gloo:
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+            if gloo_reduce_scatter:
+                module.set_custom_reduce_scatter(gloo_reduce_scatter)
 
 
 class AllToAllReduceScatter(ReduceScatter):
