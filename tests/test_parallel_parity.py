@@ -260,8 +260,8 @@ CASES_2 = {
     # q/k/v and w1/w3 as one matmul each: every rank's rows of them, gathered input, partial input gradient.
     "tp2_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections"],
     "tp2_separate_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections", "false"],
-    "tp2_no_sp_fused_projections": [TP, "2", "--parallelism.enable_sequence_parallel", "false", "--model.fused_projections"],
-    "fsdp2_fused_projections_ac_selective_op": ["--model.fused_projections", "--activation_checkpoint.mode", "selective"],
+    "tp2_no_sp_separate_projections": [TP, "2", "--parallelism.enable_sequence_parallel", "false", "--model.fused_projections", "false"],
+    "fsdp2_separate_projections_ac_selective_op": ["--model.fused_projections", "false", "--activation_checkpoint.mode", "selective"],
     # Compiled attention and feed-forward under TP trace the fused matmul, also without autograd (validation).
     "tp2_compile_fused_projections": [TP, "2", "--compile.enable", "--model.fused_projections"],
     # Activation checkpointing recomputes, so results must not change at all.
@@ -328,7 +328,7 @@ CASES_4 = {
     "pp2_fsdp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
     "pp2_tp2_1f1b": PP + [TP, "2"],
     "fsdp2_tp2_compile_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--compile.enable", "--model.fused_projections"],
-    "fsdp2_tp2_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections"],
+    "fsdp2_tp2_separate_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections", "false"],
     "fsdp2_tp2_float8_all_gather": F8 + [TP, "2", "--model.flavor", "debugmodel_gqa", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
                                          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
     "free_fsdp2_tp2": [TP, "2", "--model.flavor", "debugmodel_gqa"],
@@ -360,7 +360,7 @@ CASES_MOE_2 = {
     "moe_ep2_compile": MOE + [EP, "2", "--compile.enable"],
     "moe_ep2_float8": MOE + F8 + [EP, "2"],
     # Tensor parallel: attention split by heads, each tp rank routing its sequence shard (EP borrows tp).
-    "moe_tp2_fused_projections": MOE + [TP, "2", "--model.fused_projections"],
+    "moe_tp2_separate_projections": MOE + [TP, "2", "--model.fused_projections", "false"],
     "moe_ep2_tp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2"],
     # Expert tensor parallel: each expert's hidden dim split over tp.
     "moe_tp2_etp2_loop": MOE + [TP, "2", ETP, "2", "--model.moe_grouped_mm", "false"],
@@ -425,8 +425,8 @@ EXTENDED = {
     "doc_cp2_fsdp2_compile", "pp2_gpipe", "tp2_ac_every_2nd_block", "moe_ep2_ac_full", "fsdp2_float8_rowwise",
     "cp2_allgather_no_balance", "moe_ep4_tp2_float8", "moe_hsdp2x2_ep2", "free_fsdp2_tp2", "moe_ep2_fsdp2_tp2",
     "fsdp2_tp2_compile_fused_projections", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",
-    "tp2_no_sp", "free_tp2", "tp2_no_sp_fused_projections", "fsdp2_tp2_fused_projections", "tp2_compile_fused_projections",
-    "fsdp2_fused_projections_ac_selective_op", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
+    "tp2_no_sp", "free_tp2", "tp2_no_sp_separate_projections", "fsdp2_tp2_separate_projections", "tp2_compile_fused_projections",
+    "fsdp2_separate_projections_ac_selective_op", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
     "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
     "tp2_sp_lp", "free_cp2", "doc_fsdp2",
