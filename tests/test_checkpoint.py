@@ -162,7 +162,7 @@ def test_a_crash_while_a_step_is_saved_again_keeps_the_old_checkpoint(corpus_jso
 def test_metadata_that_would_patch_a_class_is_refused(tmp_path):
     """Protocol-0 pickle: a DCP metadata class, then BUILD with {'__eq__': None}, which would set the
     attribute on the class itself for the whole process."""
-    from titanlite.checkpoint import read_metadata_safely
+    from titanlite.checkpoint_reader import read_metadata_safely
     from titanlite.config import ConfigError
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -188,3 +188,23 @@ def test_the_launcher_reports_the_latest_attempt_only():
     restarted = run_command([*launch, "--max-restarts", "1", worker], cwd=REPO)
     assert restarted.returncode == 1 and "attempt 0 says so" not in restarted.stderr, restarted.stderr
     assert "Signal 9 (SIGKILL)" in restarted.stderr, restarted.stderr
+
+
+def test_the_launcher_reports_the_lowest_ranks_error():
+    """Three ranks each leave a different line, then exit rank 2 first and rank 0 last: the launcher
+    shows rank 0's, once (tests/fail_by_rank.py)."""
+    launch = [sys.executable, "-m", "titanlite.torchrun", "--standalone", "--nproc_per_node", "3", "--max-restarts", "0"]
+    out = run_command([*launch, str(REPO / "tests" / "fail_by_rank.py")], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2 and out.stderr.strip() == "titanlite: config error: rank 0 says so", out.stderr
+
+
+def test_first_error_picks_the_lowest_rank_by_number(tmp_path, monkeypatch):
+    from titanlite.torchrun import ERROR_DIR, first_error, start_attempt, write_error
+
+    monkeypatch.setenv(ERROR_DIR, str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    start_attempt()
+    for rank in (10, 3, 2, 11):
+        monkeypatch.setenv("RANK", str(rank))
+        write_error(f"rank {rank} failed", 2)
+    assert first_error(str(tmp_path)) == {"rank": 2, "code": 2, "message": "rank 2 failed"}

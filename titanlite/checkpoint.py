@@ -11,8 +11,9 @@ name (so any layout can load it):
 `checkpoint.last_save_in_hf` the last one is a Hugging Face folder instead (safetensors +
 config.json, model only), and `initial_load_in_hf` starts from one.
 Only tensors are stored, and loading refuses anything else: DCP would unpickle non-tensor items.
-DCP's `.metadata` file is itself a pickle; it is read with an allow-list unpickler that accepts
-DCP's metadata classes and nothing else, so loading a crafted checkpoint cannot run code.
+DCP's `.metadata` file is itself a pickle; checkpoint_reader.py reads it without trusting it (an
+allow-list unpickler; shard files inside the folder, whole, and no larger than declared), and a
+damaged checkpoint stops the run with a line naming the newest earlier whole step.
 
 Atomic: ranks write into `step-N.tmp`; rank 0 renames it to `step-N` once the whole save is done,
 so a crash mid-save leaves the previous checkpoint as the latest complete one.
@@ -21,17 +22,15 @@ so a crash mid-save leaves the previous checkpoint as the latest complete one.
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 import time
-import types
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanlite.checkpoint_reader import DamagedCheckpoint, SafeFileSystemReader, load_checked, read_tensor_metadata
 from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import plain_tensor
@@ -60,96 +60,6 @@ def tensor_json(t: torch.Tensor):
     return json.loads(bytes(t.tolist()).decode())
 
 
-# What a DCP metadata pickle references: DCP's metadata classes, sizes, dtypes, layouts, paths.
-METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},  # a layout by its name
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
-# BUILD on these would set attributes of code or of a class for the whole process.
-NOT_BUILDABLE = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler (its opcodes can be overridden), limited to METADATA_GLOBALS and
-    refusing to set attributes on anything but plain instances."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str):
-        if module == "torch" and name in TORCH_DTYPES:
-            return TORCH_DTYPES[name]
-        if name in METADATA_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it references {module}.{name}")
-
-    def load_build(self):
-        if isinstance(self.stack[-2], NOT_BUILDABLE):
-            raise pickle.UnpicklingError(f"it sets attributes of {self.stack[-2]!r}")
-        super().load_build()
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-
-def read_metadata_safely(path: Path) -> Metadata:
-    """DCP's metadata from `path` through the allow-list; ConfigError naming the file for anything
-    else (a crafted file could run code through pickle)."""
-    try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise ConfigError(f"checkpoint path '{path.parent}' holds no complete DCP checkpoint (no {path.name})")
-    except Exception as e:  # a malformed or hostile pickle fails in many ways; each one is refused
-        metadata = e
-    if not isinstance(metadata, Metadata):
-        reason = metadata if isinstance(metadata, Exception) else f"it holds a {type(metadata).__name__}"
-        raise ConfigError(
-            f"checkpoint metadata '{path}' is not plain DCP metadata ({reason}); refusing to load it, since "
-            "unpickling it could run code. Use a checkpoint written by torch.distributed.checkpoint"
-        )
-    return metadata
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader, with the metadata read by `read_metadata_safely` (DCP's own reader unpickles
-    it with no limits), once per file: our entry check and dcp.load both ask for it, and the
-    pure-Python unpickler is slow on the metadata of a large sharded model."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._metadata: dict[Path, Metadata] = {}
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        if path not in self._metadata:
-            self._metadata[path] = read_metadata_safely(path)
-        metadata = self._metadata[path]
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def read_tensor_metadata(path: Path, parts, reader: SafeFileSystemReader | None = None) -> tuple[SafeFileSystemReader, dict]:
-    """(a safe reader of checkpoint `path`, its entries' metadata); ConfigError for an entry under
-    one of `parts` that is not a tensor, since DCP would unpickle it. Pass the reader of an earlier
-    call to read the metadata once."""
-    reader = reader or SafeFileSystemReader(str(path))
-    metadata = reader.read_metadata().state_dict_metadata
-    for key, m in metadata.items():
-        if key.split(".", 1)[0] in parts and not isinstance(m, TensorStorageMetadata):
-            raise ConfigError(f"checkpoint '{path}' entry '{key}' is not a tensor; refusing to unpickle it")
-    return reader, metadata
-
-
 def read_model_weights(checkpoint: Path, names=None, found=None) -> dict:
     """The model weights of a DCP checkpoint (those in `names`, or all) as full tensors on this
     process, whatever layout saved them. `found`: its read_tensor_metadata, when read already."""
@@ -159,7 +69,7 @@ def read_model_weights(checkpoint: Path, names=None, found=None) -> dict:
         for key, m in metadata.items()
         if key.startswith("model.") and (names is None or key.removeprefix("model.") in names)
     }
-    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    load_checked({"model": state}, reader, checkpoint, no_dist=True)
     return state
 
 
@@ -364,14 +274,35 @@ class Checkpointer:
         if found is None:
             return False
         path, own = found
-        if own:
-            path = self.resume_point(path)
-        if is_hf_checkpoint(path):
-            self.load_hf_weights(path)
-            return True
-        parts = {"model"} if not own and self.c.initial_load_model_only else set(PARTS)
-        self.load_from(path, parts - set(self.c.exclude_from_loading))
+        try:
+            if own:
+                path = self.resume_point(path)
+            if is_hf_checkpoint(path):
+                self.load_hf_weights(path)
+                return True
+            parts = {"model"} if not own and self.c.initial_load_model_only else set(PARTS)
+            self.load_from(path, parts - set(self.c.exclude_from_loading))
+        except DamagedCheckpoint as e:
+            raise ConfigError(self.what_to_load_instead(e, own)) from None
         return True
+
+    def what_to_load_instead(self, damage: DamagedCheckpoint, own: bool) -> str:
+        """The line for a damaged checkpoint: what is wrong, that nothing was deleted, and the newest
+        earlier step of the run that is whole (its files checked as loading checks them)."""
+        if not own:
+            return f"{damage}; nothing was deleted. Point checkpoint.initial_load_path at a whole checkpoint"
+        step = int(damage.folder.name.removeprefix("step-"))
+        for earlier in reversed([s for s in complete_steps(self.folder) if s < step]):
+            candidate = self.folder / f"step-{earlier}"
+            try:
+                if not is_hf_checkpoint(candidate):
+                    SafeFileSystemReader(str(candidate)).read_metadata()
+            except ConfigError:
+                continue
+            return (f"checkpoint step {step} is damaged ({damage.reason}); nothing was deleted. The newest whole "
+                    f"checkpoint is step {earlier}: resume from it with --checkpoint.load_step {earlier}")
+        return (f"checkpoint step {step} is damaged ({damage.reason}); nothing was deleted, and no earlier checkpoint "
+                f"in {self.folder} is whole. Move {damage.folder} aside to start from step 0")
 
     def resume_point(self, chosen: Path) -> Path:
         """The run's own checkpoint to resume: `chosen` if it holds the training state (or is the
@@ -447,7 +378,7 @@ class Checkpointer:
         for key in _flatten_keys(state):
             if not isinstance(metadata.get(key), TensorStorageMetadata):
                 raise ConfigError(f"checkpoint '{path}' has no entry '{key}'; it was not written by this titanlite")
-        dcp.load(state, storage_reader=reader)
+        load_checked(state, reader, path)
 
         if "model" in state:
             for part in t.model_parts:

@@ -764,13 +764,26 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     overrides = _split_cli(argv)
     config = JobConfig()
     config_files = [v for k, v in overrides if k == "job.config_file" and v]
-    if config_files:
-        for key, value in _toml_pairs(load_toml(str(config_files[-1]))):
-            _assign(config, key, value)
-    for key, value in overrides:
+    from_file = dict(_toml_pairs(load_toml(str(config_files[-1])))) if config_files else {}
+    for key, value in [*from_file.items(), *overrides]:
         _assign(config, key, value)
+    _tie_validation_to_training(config, from_file, {key for key, _ in overrides})
     validate(config)
     return config
+
+
+def _tie_validation_to_training(config: JobConfig, from_file: dict, from_cli: set) -> None:
+    """Under pipeline parallel the schedule's stages have fixed shapes, so validation batches take
+    training's size and length. A validation key follows training's unless the user set it apart: on
+    the command line, or in the file to a value other than the file's training value (ParallelDims
+    then refuses the mismatch)."""
+    if config.parallelism.pipeline_parallel_degree == 1:
+        return
+    for name in ("local_batch_size", "seq_len"):
+        key, training_key = f"validation.{name}", f"training.{name}"
+        tied_in_file = from_file.get(key, _default(LEAVES[key][0])) == from_file.get(training_key, _default(LEAVES[training_key][0]))
+        if key not in from_cli and (key not in from_file or tied_in_file):
+            setattr(config.validation, name, getattr(config.training, name))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -794,11 +807,16 @@ def validate(config: JobConfig) -> None:
     """Checks that need no torch and no world size; layout checks live in ParallelDims."""
     check_not_implemented(config)
     flavors = FAMILIES[config.model.name].flavors
+    owners = [name for name, family in FAMILIES.items() if config.model.flavor in family.flavors]
     _require(
         config.model.flavor in flavors,
-        f"model.flavor='{config.model.flavor}' is not a flavor of model.name='{config.model.name}'; choose one of: "
-        f"{', '.join(flavors)}",
+        f"model.flavor='{config.model.flavor}' is not a flavor of model.name='{config.model.name}'"
+        + (f" (it is a flavor of model.name='{owners[0]}')" if owners else "")
+        + f"; choose one of: {', '.join(flavors)}",
     )
+    for key in ("model.moe_load_balance_coeff", "model.moe_aux_loss_coeff"):
+        value = get(config, key)
+        _require(value is None or value >= 0, f"{key}={value} must be >= 0 (0 = off; none = the flavor's)")
     mask_type = config.model.attn_mask_type or flavors[config.model.flavor].attn_mask_type
     _require(
         not config.model.reset_position_ids or mask_type == "block_causal",

@@ -1,7 +1,8 @@
 """Check a config before any process starts: `python -m titanlite.preflight --job.config_file F ...`
 (run_train.sh runs it with WORLD_SIZE set). Bad input ends here, as one line and exit code 2:
 the schema (config.py), the layout for WORLD_SIZE ranks, the model's shapes against it, the batch
-sizes, the pipeline split, and the run's inputs (tokenizer, datasets, the checkpoint to load).
+sizes, the pipeline split, and the run's files: the tokenizer (read), the dataset files (their
+format sniffed), the dump folder (written) and the checkpoint to load.
 Torch is imported only when there is a pipeline to check (its schedule classes)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 from titanlite.checkpoint_paths import checkpoint_to_load
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.data.sources import split_source
-from titanlite.data.tokenizer import tokenizer_file
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.dump_folder import check_writable_folder
 from titanlite.models import FAMILIES, model_args
 from titanlite.models.args import check_hf_exportable
 from titanlite.parallel.dims import ParallelDims
@@ -32,10 +34,13 @@ def check(config: JobConfig, world_size: int) -> None:
         from titanlite.parallel.pipeline import plan_stages
 
         plan_stages(config, family.plan, args.n_layers, dims.pp, pp_rank=0)
-    tokenizer_file(*config.tokenizer)
+    build_tokenizer(*config.tokenizer)
     if config.metrics.enable_wandb:
         check_wandb_installed()
-    if config.dry_run or config.checkpoint.create_seed_checkpoint:
+    if config.dry_run:
+        return  # writes nothing, reads no data and loads no checkpoint
+    check_writable_folder(config.job.dump_folder)
+    if config.checkpoint.create_seed_checkpoint:
         return  # reads no data and loads no checkpoint
     split_source(config, "train")
     if config.validation.enable:

@@ -40,6 +40,24 @@ def open_source(source: Source, split: str):
     return load_dataset(source.name, source.subset, split=source.split or split, streaming=True)
 
 
+def readable(documents):
+    """The documents, with a file that fails to parse past its first bytes (sources.py sniffs those) as
+    a ConfigError naming the error, instead of a traceback from deep inside `datasets`."""
+    iterator = iter(documents)
+    while True:
+        try:
+            doc = next(iterator)
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow, json and gzip each raise their own
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(
+                f"the dataset could not be read past its first documents ({type(e).__name__}: {reason}); fix or remove "
+                "the damaged file (training.dataset / validation.dataset)"
+            ) from None
+        yield doc
+
+
 class TokenWindows(IterableDataset, Stateful):
     """Packs tokenized documents into (input, label) windows of seq_len; resumable exactly.
 
@@ -71,7 +89,7 @@ class TokenWindows(IterableDataset, Stateful):
         window = self.seq_len + 1
         while True:
             documents = 0
-            for documents, doc in enumerate(self.documents, 1):
+            for documents, doc in enumerate(readable(self.documents), 1):
                 if self.text_field not in doc:
                     raise ConfigError(
                         f"training.dataset_text_field='{self.text_field}' is not a column of the dataset; "

@@ -3,7 +3,10 @@ can check a config before any process starts: the built-in corpus, local files, 
 
 from __future__ import annotations
 
+import codecs
 import glob
+import gzip
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -45,6 +48,61 @@ def file_builder(path: str) -> str | None:
     return BUILDERS.get(Path(path).suffix)
 
 
+SNIFF_BYTES = 1 << 16
+
+
+def format_problem(path: str, builder: str) -> str | None:
+    """What is wrong with a local data file, judged from its first bytes (its name says its format), or
+    None: empty, binary, not gzip, not UTF-8, not JSON lines, not parquet."""
+    raw = Path(path)
+    if raw.stat().st_size == 0:
+        return "empty"
+    with open(raw, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if builder == "parquet":
+        with open(raw, "rb") as f:
+            f.seek(-4, os.SEEK_END)
+            tail = f.read(4)
+        return None if head[:4] == tail == b"PAR1" else "not a parquet file (no PAR1 marks at its start and end)"
+    if path.endswith(".gz"):
+        if head[:2] != b"\x1f\x8b":
+            return "not gzip-compressed, though its name ends in .gz"
+        try:
+            with gzip.open(raw, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+        except (OSError, EOFError) as e:
+            return f"a damaged gzip file ({e})"
+        if not head:
+            return "empty once decompressed"
+    if b"\0" in head:
+        return "binary, not text"
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text (byte {e.start})"
+    if builder == "json":
+        first = text.lstrip()[:1]
+        if first not in ("{", "["):
+            return f"not JSON lines (it starts with {text.lstrip()[:20]!r})"
+        line = text.lstrip().split("\n", 1)
+        if first == "{" and len(line) == 2:
+            try:
+                json.loads(line[0])
+            except ValueError as e:
+                return f"not JSON lines (its first line: {e})"
+    return None
+
+
+def check_files_readable(files: list[str], key: str) -> None:
+    for path in files:
+        problem = format_problem(path, file_builder(path))
+        if problem:
+            raise ConfigError(
+                f"{key}: data file '{path}' is {problem}; give .jsonl/.json (JSON lines), .jsonl.gz, .parquet or UTF-8 "
+                ".txt files whose contents match their names"
+            )
+
+
 def check_hub_reachable(name: str, section: str = "training") -> None:
     """Fail in seconds, not minutes, when the hub cannot be reached (datasets retries for ~6 minutes)."""
     hint = f"{section}.dataset='{name}' is a Hugging Face hub dataset"
@@ -80,6 +138,7 @@ def resolve_source(name: str, path: str | None, section: str = "training") -> So
                 f"{section}.dataset_path='{location}' mixes or lacks supported file types {sorted(builders, key=str)}; "
                 "use one of .jsonl, .jsonl.gz, .parquet, .txt"
             )
+        check_files_readable(files, f"{section}.dataset_path" if path else f"{section}.dataset")
         return Source("files", location, tuple(files), builders.pop())
     looks_local = name.startswith(("/", ".", "~")) or any(c in name for c in "*?[") or file_builder(name)
     if path or looks_local:

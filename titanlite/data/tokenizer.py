@@ -53,13 +53,21 @@ class ByteTokenizer(Tokenizer):
 class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json` (Llama 3's loads as is); BOS/EOS found among its added tokens."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, key: str = "model.hf_assets_path"):
         from tokenizers import Tokenizer as _HF
 
-        self.tok = _HF.from_file(str(path))
+        try:
+            self.tok = _HF.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception for bad JSON or a wrong schema
+            raise unreadable(key, path, e, "a tokenizer.json saved by Hugging Face tokenizers")
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        if self.tok.get_vocab_size(with_added_tokens=False) == 0:
+            raise ConfigError(f"{key}: tokenizer '{path}' has no vocabulary; use a trained tokenizer.json, or 'byte'")
         config = path.parent / "tokenizer_config.json"
-        named = json.loads(config.read_text()) if config.exists() else {}
+        try:
+            named = json.loads(config.read_text()) if config.exists() else {}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise unreadable(key, config, e, "valid JSON (or remove it)")
         self.bos_id = self._special(named.get("bos_token"), (BOS, "<s>", "<|endoftext|>"))
         self.eos_id = self._special(named.get("eos_token"), (EOS, "</s>", "<|endoftext|>", "<|eot_id|>"))
 
@@ -88,8 +96,13 @@ class TiktokenTokenizer(Tokenizer):
             from tiktoken.load import load_tiktoken_bpe
         except ImportError:
             raise ConfigError(f"{key}: '{path}' is a tiktoken file; pip install tiktoken to read it")
-        ranks = load_tiktoken_bpe(str(path))  # a local path: tiktoken only fetches strings containing '://'
+        try:
+            ranks = load_tiktoken_bpe(str(path))  # a local path: tiktoken only fetches strings containing '://'
+        except (ValueError, UnicodeDecodeError) as e:  # binascii.Error is a ValueError
+            raise unreadable(key, path, e, "a tiktoken ranks file (base64 token and rank per line)")
         n = len(ranks)
+        if n == 0:
+            raise ConfigError(f"{key}: tokenizer '{path}' has no vocabulary; use a trained tiktoken file, or 'byte'")
         names = [BOS, EOS] + [f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_NUM_SPECIAL - 2)]
         specials = {name: n + i for i, name in enumerate(names)}
         self.enc = tiktoken.Encoding(path.name, pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
@@ -103,12 +116,17 @@ class TiktokenTokenizer(Tokenizer):
         return self.enc.decode([i for i in ids if i < self.bos_id])
 
 
+def unreadable(key: str, path: Path, error: Exception, expected: str) -> ConfigError:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return ConfigError(f"{key}: '{path}' cannot be read as a tokenizer ({reason}); it must be {expected}")
+
+
 def build_tokenizer(location: str, key: str = "model.hf_assets_path") -> Tokenizer:
     """The tokenizer at `location` (the value of config key `key`, named in errors)."""
     path = tokenizer_file(location, key)
     if path is None:
         return ByteTokenizer()
-    return HFTokenizer(path) if path.suffix == ".json" else TiktokenTokenizer(path, key)
+    return HFTokenizer(path, key) if path.suffix == ".json" else TiktokenTokenizer(path, key)
 
 
 def tokenizer_file(location: str, key: str = "model.hf_assets_path") -> Path | None:

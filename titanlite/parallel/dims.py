@@ -93,6 +93,11 @@ class ParallelDims:
     def check_expert_parallel(self) -> None:
         """EP borrows all of cp, part of dp_shard and, unless expert TP splits the experts over tp, tp:
         ep = dp_shard_in_ep x cp (x tp). TorchTitan's two choices of expert_tensor_parallel_degree: 1 or tp."""
+        if self.etp > 1 and self.tp == 1:
+            raise ConfigError(
+                f"parallelism.expert_tensor_parallel_degree={self.etp} splits each expert over the tensor-parallel "
+                f"ranks, but tensor_parallel_degree=1; set expert_tensor_parallel_degree=1, or tensor_parallel_degree={self.etp}"
+            )
         if self.etp not in (1, self.tp):
             raise ConfigError(
                 f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 (experts whole; expert parallel "

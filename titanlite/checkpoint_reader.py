@@ -1,0 +1,250 @@
+"""Reading a DCP checkpoint without trusting it.
+
+DCP's `.metadata` file is a pickle, and DCP's own reader unpickles it with no limits. Here it is read
+with an allow-list unpickler that builds DCP's metadata classes and nothing else, and sets state only
+on instances it has just created (so a crafted file cannot change a class, an enum member or any
+other object the process already holds). Then the metadata is checked against the folder before a
+byte of tensor data is allocated or read:
+  - every storage entry names a shard file DCP's writer would name (`__<rank>_<n>.distcp`), inside
+    the checkpoint folder, with no transforms (titanlite writes none);
+  - every shard file exists and is long enough for the entries it holds (a truncated or missing shard
+    is refused, naming the file);
+  - every tensor's chunks lie inside the tensor, cover it once, and each fits in its stored bytes,
+    so no declared size can make loading allocate more than the files hold.
+Anything else is refused with a ConfigError naming the file; a damaged folder raises
+DamagedCheckpoint, which the checkpointer turns into a line naming an earlier whole step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from titanlite.config import ConfigError
+
+# The shard files DCP's FileSystemWriter writes: `__{rank}_{file index}.distcp`.
+SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+# What a DCP metadata pickle references: DCP's metadata classes, sizes, dtypes, layouts, paths.
+METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+# The classes whose fresh instances may take state (BUILD): DCP's metadata dataclasses.
+BUILDABLE = (
+    Metadata, MetadataIndex, ChunkStorageMetadata, TensorStorageMetadata, BytesStorageMetadata,
+    dcp_metadata.TensorProperties, StorageMeta, _StorageInfo,
+)
+
+
+class DamagedCheckpoint(ConfigError):
+    """A checkpoint folder whose files do not hold what its metadata says (missing, truncated, unreadable)."""
+
+    def __init__(self, folder: Path, reason: str):
+        super().__init__(f"checkpoint '{folder}' is damaged: {reason}")
+        self.folder, self.reason = folder, reason
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (its opcodes can be overridden), limited to METADATA_GLOBALS. It sets
+    state (BUILD) only on an instance of DCP's metadata classes that it created itself (NEWOBJ) in this
+    file, and only that class's own fields: BUILD on anything else would change an object the whole
+    process shares (a class, an enum member such as the memory-format encoding DCP saves with)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file):
+        super().__init__(file)
+        self._fresh: dict[int, object] = {}  # id -> instance NEWOBJ made (held, so ids stay unique)
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and name in TORCH_DTYPES:
+            return TORCH_DTYPES[name]
+        if name in METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it references {module}.{name}")
+
+    def _remember_fresh(self) -> None:
+        instance = self.stack[-1]
+        if type(instance) in BUILDABLE:
+            self._fresh[id(instance)] = instance
+
+    def load_newobj(self):
+        super().load_newobj()
+        self._remember_fresh()
+
+    def load_newobj_ex(self):
+        super().load_newobj_ex()
+        self._remember_fresh()
+
+    def load_build(self):
+        state, instance = self.stack[-1], self.stack[-2]
+        if id(instance) not in self._fresh:
+            raise pickle.UnpicklingError(f"it sets attributes of {instance!r}, which is not a DCP record it just made")
+        if hasattr(type(instance), "__setstate__"):
+            ok = isinstance(state, tuple)  # TensorProperties: its own __setstate__ unpacks a tuple
+        else:
+            fields = {f.name for f in dataclasses.fields(instance)}
+            ok = isinstance(state, dict) and set(state) <= fields
+        if not ok:
+            raise pickle.UnpicklingError(f"it sets state {state!r} that {type(instance).__name__} does not have")
+        super().load_build()
+
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def read_metadata_safely(path: Path) -> Metadata:
+    """DCP's metadata from `path` through the allow-list, checked against its folder (check_metadata);
+    ConfigError naming the file for anything else (a crafted file could run code through pickle)."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint path '{path.parent}' holds no complete DCP checkpoint (no {path.name})")
+    except Exception as e:  # a malformed or hostile pickle fails in many ways; each one is refused
+        if isinstance(e, EOFError) or "pickle exhausted" in str(e):  # the pickle stops mid-way
+            raise DamagedCheckpoint(path.parent, f"its {path.name} file is truncated") from None
+        metadata = e
+    if not isinstance(metadata, Metadata):
+        reason = metadata if isinstance(metadata, Exception) else f"it holds a {type(metadata).__name__}"
+        raise ConfigError(
+            f"checkpoint metadata '{path}' is not plain DCP metadata ({reason}); refusing to load it, since "
+            "unpickling it could run code. Use a checkpoint written by torch.distributed.checkpoint"
+        )
+    check_metadata(metadata, path)
+    return metadata
+
+
+def _refuse(path: Path, what: str):
+    raise ConfigError(f"checkpoint metadata '{path}' {what}; refusing to load it. Use a checkpoint written by "
+                      "torch.distributed.checkpoint")
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, torch.Size) and all(isinstance(n, int) and n >= 0 for n in value)
+
+
+def check_metadata(metadata: Metadata, path: Path) -> None:
+    """The metadata's entries are DCP's, its shard files are inside the folder and whole, and no tensor
+    declares more bytes than its stored chunks hold (checked before anything is allocated)."""
+    folder = path.parent
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        _refuse(path, "has no storage table")
+    needed: dict[str, int] = {}  # shard file -> the bytes its entries reach
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            _refuse(path, f"has a storage entry {index!r} that is not DCP's")
+        name = info.relative_path
+        if not isinstance(name, str) or not SHARD_FILE.match(name):
+            _refuse(path, f"points entry '{index.fqn}' at '{name}', not a shard file of this folder (__<rank>_<n>.distcp)")
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0 and info.length >= 0):
+            _refuse(path, f"gives entry '{index.fqn}' the byte range {info.offset!r}+{info.length!r}")
+        if info.transform_descriptors:
+            _refuse(path, f"asks for transforms {info.transform_descriptors!r} on entry '{index.fqn}' (titanlite writes none)")
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tensor(path, key, entry, storage)
+        elif not isinstance(entry, BytesStorageMetadata):
+            _refuse(path, f"describes entry '{key}' as a {type(entry).__name__}")
+    for name, end in sorted(needed.items()):
+        shard = folder / name
+        if not shard.is_file():
+            raise DamagedCheckpoint(folder, f"its shard file {name} is missing")
+        have = shard.stat().st_size
+        if have < end:
+            raise DamagedCheckpoint(folder, f"its shard file {name} is truncated ({have} bytes; its entries reach byte {end})")
+
+
+def _check_tensor(path: Path, key: str, entry: TensorStorageMetadata, storage: dict) -> None:
+    dtype = getattr(entry.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype) or not _is_size(entry.size) or not isinstance(entry.chunks, list):
+        _refuse(path, f"describes tensor '{key}' with a malformed size or dtype")
+    covered = 0
+    for chunk in entry.chunks:
+        if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(chunk.offsets) and _is_size(chunk.sizes)
+                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+                and all(o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size))):
+            _refuse(path, f"gives tensor '{key}' of size {list(entry.size)} a chunk outside it")
+        info = storage.get(MetadataIndex(key, chunk.offsets))
+        chunk_bytes = math.prod(chunk.sizes) * dtype.itemsize
+        if info is None or chunk_bytes > info.length:
+            stored = "no stored bytes" if info is None else f"{info.length} stored bytes"
+            _refuse(path, f"declares {chunk_bytes} bytes for a chunk of tensor '{key}' with {stored}")
+        covered += math.prod(chunk.sizes)
+    if covered != math.prod(entry.size):
+        _refuse(path, f"declares tensor '{key}' of size {list(entry.size)} but its chunks hold {covered} elements")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, with the metadata read by `read_metadata_safely` (DCP's own reader unpickles
+    it with no limits), once per file: our entry check and dcp.load both ask for it, and the
+    pure-Python unpickler is slow on the metadata of a large sharded model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._metadata: dict[Path, Metadata] = {}
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        if path not in self._metadata:
+            self._metadata[path] = read_metadata_safely(path)
+        metadata = self._metadata[path]
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_tensor_metadata(path: Path, parts, reader: SafeFileSystemReader | None = None) -> tuple[SafeFileSystemReader, dict]:
+    """(a safe reader of checkpoint `path`, its entries' metadata); ConfigError for an entry under
+    one of `parts` that is not a tensor, since DCP would unpickle it. Pass the reader of an earlier
+    call to read the metadata once."""
+    reader = reader or SafeFileSystemReader(str(path))
+    metadata = reader.read_metadata().state_dict_metadata
+    for key, m in metadata.items():
+        if key.split(".", 1)[0] in parts and not isinstance(m, TensorStorageMetadata):
+            raise ConfigError(f"checkpoint '{path}' entry '{key}' is not a tensor; refusing to unpickle it")
+    return reader, metadata
+
+
+def load_checked(state: dict, reader: SafeFileSystemReader, path: Path, **kwargs) -> None:
+    """dcp.load, with a failure to read the shards (a damaged file: DCP raises CheckpointException, a
+    BaseException) as DamagedCheckpoint naming the folder."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=reader, **kwargs)
+    except CheckpointException as e:
+        failure = next(iter(e.failures.values()), e)
+        cause = getattr(failure, "exc", failure)
+        first_line = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise DamagedCheckpoint(path, f"reading its shards failed ({type(cause).__name__}: {first_line})") from None
