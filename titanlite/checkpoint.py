@@ -39,7 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titanlite.checkpoint_reader import DamagedCheckpoint, SafeFileSystemReader, load_checked, read_tensor_metadata
+from titanlite.checkpoint_reader import (
+    DamagedCheckpoint,
+    SafeFileSystemReader,
+    damaged_checkpoint_line,
+    load_checked,
+    read_tensor_metadata,
+)
 from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import plain_tensor
@@ -283,26 +289,8 @@ class Checkpointer:
             parts = {"model"} if not own and self.c.initial_load_model_only else set(PARTS)
             self.load_from(path, parts - set(self.c.exclude_from_loading))
         except DamagedCheckpoint as e:
-            raise ConfigError(self.what_to_load_instead(e, own)) from None
+            raise ConfigError(damaged_checkpoint_line(e, self.folder, own)) from None
         return True
-
-    def what_to_load_instead(self, damage: DamagedCheckpoint, own: bool) -> str:
-        """The line for a damaged checkpoint: what is wrong, that nothing was deleted, and the newest
-        earlier step of the run that is whole (its files checked as loading checks them)."""
-        if not own:
-            return f"{damage}; nothing was deleted. Point checkpoint.initial_load_path at a whole checkpoint"
-        step = int(damage.folder.name.removeprefix("step-"))
-        for earlier in reversed([s for s in complete_steps(self.folder) if s < step]):
-            candidate = self.folder / f"step-{earlier}"
-            try:
-                if not is_hf_checkpoint(candidate):
-                    SafeFileSystemReader(str(candidate)).read_metadata()
-            except ConfigError:
-                continue
-            return (f"checkpoint step {step} is damaged ({damage.reason}); nothing was deleted. The newest whole "
-                    f"checkpoint is step {earlier}: resume from it with --checkpoint.load_step {earlier}")
-        return (f"checkpoint step {step} is damaged ({damage.reason}); nothing was deleted, and no earlier checkpoint "
-                f"in {self.folder} is whole. Move {damage.folder} aside to start from step 0")
 
     def resume_point(self, chosen: Path) -> Path:
         """The run's own checkpoint to resume: `chosen` if it holds the training state (or is the

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from titanlite.checkpoint_paths import complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError
 
 # The shard files DCP's FileSystemWriter writes: `__{rank}_{file index}.distcp`.
@@ -244,7 +245,37 @@ def load_checked(state: dict, reader: SafeFileSystemReader, path: Path, **kwargs
     try:
         dcp.load(state, storage_reader=reader, **kwargs)
     except CheckpointException as e:
-        failure = next(iter(e.failures.values()), e)
-        cause = getattr(failure, "exc", failure)
-        first_line = (str(cause).strip().splitlines() or [""])[0][:200]
-        raise DamagedCheckpoint(path, f"reading its shards failed ({type(cause).__name__}: {first_line})") from None
+        failure = next(iter(e.failures.values()), e)  # one rank's: an exception, or (exception, traceback)
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+        first_sentence = re.split(r"(?<=\.) |\n", str(cause).strip(), maxsplit=1)[0][:160]
+        raise DamagedCheckpoint(path, f"reading its shards failed: {type(cause).__name__}: {first_sentence}") from None
+
+
+def damaged_checkpoint_line(damage: DamagedCheckpoint, run_folder: Path, own: bool) -> str:
+    """The line for a damaged checkpoint: what is wrong, that nothing was deleted, and the newest
+    earlier step of the run (in `run_folder`) whose files pass the same checks."""
+    if not own:
+        return f"{damage}; nothing was deleted. Point checkpoint.initial_load_path at a whole checkpoint"
+    step = int(damage.folder.name.removeprefix("step-"))
+    for earlier in reversed([s for s in complete_steps(run_folder) if s < step]):
+        candidate = run_folder / f"step-{earlier}"
+        try:
+            if not is_hf_checkpoint(candidate):
+                read_metadata_safely(candidate / ".metadata")
+        except ConfigError:
+            continue
+        return (f"checkpoint step {step} is damaged ({damage.reason}); nothing was deleted. The newest whole "
+                f"checkpoint is step {earlier}: resume from it with --checkpoint.load_step {earlier}")
+    return (f"checkpoint step {step} is damaged ({damage.reason}); nothing was deleted, and no earlier checkpoint "
+            f"in {run_folder} is whole. Move {damage.folder} aside to start from step 0")
+
+
+def check_checkpoint_files(path: Path, run_folder: Path, own: bool) -> None:
+    """The checkpoint a run will load, checked as loading checks it (preflight and every rank, before
+    they join the process group); a damaged one gives damaged_checkpoint_line."""
+    if is_hf_checkpoint(path):
+        return
+    try:
+        read_metadata_safely(path / ".metadata")
+    except DamagedCheckpoint as e:
+        raise ConfigError(damaged_checkpoint_line(e, run_folder, own)) from None

@@ -2,8 +2,10 @@
 (run_train.sh runs it with WORLD_SIZE set). Bad input ends here, as one line and exit code 2:
 the schema (config.py), the layout for WORLD_SIZE ranks, the model's shapes against it, the batch
 sizes, the pipeline split, and the run's files: the tokenizer (read), the dataset files (their
-format sniffed), the dump folder (written) and the checkpoint to load.
-Torch is imported only when there is a pipeline to check (its schedule classes)."""
+format sniffed), the dump folder (written) and the checkpoint to load (its metadata and shard files).
+Every rank runs the same checks before it joins the process group (train.main), so a bad input
+stops all ranks alike, none of them inside a collective. Torch is imported only when there is a
+pipeline to check (its schedule classes) or a checkpoint to load (DCP's metadata classes)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import importlib.util
 import os
 import sys
 
-from titanlite.checkpoint_paths import checkpoint_to_load
+from titanlite.checkpoint_paths import checkpoint_folder, checkpoint_to_load
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.data.sources import split_source
 from titanlite.data.tokenizer import build_tokenizer
@@ -45,7 +47,11 @@ def check(config: JobConfig, world_size: int) -> None:
     split_source(config, "train")
     if config.validation.enable:
         split_source(config, "validation")
-    checkpoint_to_load(config)
+    found = checkpoint_to_load(config)
+    if found is not None:
+        from titanlite.checkpoint_reader import check_checkpoint_files  # imports torch (DCP's metadata classes)
+
+        check_checkpoint_files(found[0], checkpoint_folder(config), own=found[1])
 
 
 def check_wandb_installed() -> None:

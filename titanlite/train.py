@@ -31,7 +31,6 @@ from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.dump_folder import check_writable_folder
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
@@ -43,6 +42,7 @@ from titanlite.parallel.context import register_cpu_ring_attention, sequence_par
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
 from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
+from titanlite import preflight
 from titanlite.profiling import Profiler
 from titanlite.torchrun import start_attempt, write_error
 
@@ -596,8 +596,7 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_args(argv)
         if config.dry_run and int(os.environ.get("RANK", "0")) > 0:
             os._exit(0)  # a dry run is one process's work; torchrun (a TOML's comm.mode) started more
-        if not config.dry_run:
-            check_writable_folder(config.job.dump_folder)
+        preflight.check(config, int(os.environ.get("WORLD_SIZE", "1")))  # bad input stops every rank before any collective
         device = init_distributed(config)
         trainer = Trainer(config, device)
         if dist.get_rank() == 0:

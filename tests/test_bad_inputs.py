@@ -1,0 +1,216 @@
+"""Damaged and hostile inputs stop with one line naming the file or key, what is wrong and what to
+do, exit code 2: through run_train.sh (preflight finds them before any process starts) and through
+plain `torchrun -m titanlite.train` (each rank finds the same itself). Nothing is deleted, and
+nothing trains. Then preflight.check itself, for every class of input it claims to check, so a
+check removed from preflight fails here even though the rank would print the same line."""
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, run_command, tiny_args
+
+pytestmark = pytest.mark.slow
+
+MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
+
+
+def run_train_sh(args: list[str], ngpu: int = 1):
+    env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return run_command(["./run_train.sh", *args], timeout=300, cwd=REPO, env=env)
+
+
+def plain_torchrun(args: list[str], nproc: int = 1):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
+    return run_command(cmd, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def assert_one_line(out, words: str) -> None:
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().count("\n") == 0 and words in out.stderr, out.stderr[-3000:]
+
+
+def assert_the_rank_said(out, words: str) -> None:
+    """Under plain torchrun each rank that gets there prints the same one line and exits 2 (the ranks
+    run preflight's checks before they join the group: none dies inside a collective); torchrun adds
+    its own report of the failure (that part is torchrun's), but there is no titanlite traceback."""
+    lines = {line for line in out.stderr.splitlines() if line.startswith("titanlite: config error:")}
+    assert len(lines) == 1 and words in lines.pop(), out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr and not re.search(r'File ".*titanlite/', out.stderr), out.stderr[-3000:]
+
+
+def bad_files(root: Path) -> dict[str, Path]:
+    """Files a user could hand titanlite by mistake, each named by what is wrong with it."""
+    root.mkdir(parents=True, exist_ok=True)
+    files = {
+        "tokenizer_not_json": root / "broken_tok" / "tokenizer.json",
+        "tokenizer_no_vocabulary": root / "empty_tok" / "tokenizer.json",
+        "empty_jsonl": root / "empty.jsonl",
+        "binary_jsonl": root / "binary.jsonl",
+        "text_as_parquet": root / "text.parquet",
+        "binary_txt": root / "binary" / "doc.txt",
+        "a_file": root / "a_file",
+    }
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    files["tokenizer_not_json"].write_text('{"version": "1.0", "model": ')
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE()).save(str(files["tokenizer_no_vocabulary"]))
+    files["empty_jsonl"].write_bytes(b"")
+    files["binary_jsonl"].write_bytes(bytes(range(256)) * 8)
+    files["text_as_parquet"].write_text('{"text": "not parquet at all"}\n')
+    files["binary_txt"].write_bytes(b"caf\xe9 latin-1, not UTF-8 " * 100)
+    files["a_file"].write_text("not a folder")
+    return files
+
+
+CASES = {  # name: (arguments given the bad files, words of the line)
+    "tokenizer_not_json": (lambda f: ["--model.hf_assets_path", str(f["tokenizer_not_json"].parent)], "cannot be read as a tokenizer"),
+    "tokenizer_no_vocabulary": (lambda f: ["--model.hf_assets_path", str(f["tokenizer_no_vocabulary"])], "has no vocabulary"),
+    "empty_dataset": (lambda f: ["--training.dataset", str(f["empty_jsonl"])], "empty.jsonl' is empty"),
+    "binary_dataset": (lambda f: ["--training.dataset", str(f["binary_jsonl"])], "binary.jsonl' is binary, not text"),
+    "parquet_that_is_text": (lambda f: ["--training.dataset", str(f["text_as_parquet"])], "is not a parquet file"),
+    "binary_txt_folder": (lambda f: ["--training.dataset_path", str(f["binary_txt"].parent)], "doc.txt' is not UTF-8 text"),
+    "dump_folder_under_a_file": (lambda f: ["--job.dump_folder", str(f["a_file"] / "run")], "cannot be created or written (Not a directory"),
+    "negative_load_balance_coeff": (lambda f: [*MOE, "--model.moe_load_balance_coeff", "-0.001"], "moe_load_balance_coeff=-0.001 must be >= 0"),
+    "negative_aux_loss_coeff": (lambda f: [*MOE, "--model.moe_aux_loss_coeff", "-1"], "moe_aux_loss_coeff=-1.0 must be >= 0"),
+    "expert_parallel_without_experts": (lambda f: ["--parallelism.expert_parallel_degree", "2"], "this model has none"),
+    "expert_tensor_parallel_without_tp": (lambda f: [*MOE, "--parallelism.expert_tensor_parallel_degree", "2"],
+                                          "but tensor_parallel_degree=1; set expert_tensor_parallel_degree=1"),
+    "unknown_attn_mask_type": (lambda f: ["--model.attn_mask_type", "sliding"], "'sliding' is not allowed; choose from: none, causal, block_causal"),
+    "unknown_attn_type": (lambda f: ["--model.attn_type", "xformers"], "'xformers' is not allowed; choose from: none, sdpa, flex, varlen"),
+    "unknown_converter": (lambda f: ["--model.converters", "int4"], "'int4' is not allowed; choose from: quantize.linear.float8, float8"),
+    "unknown_float8_recipe": (lambda f: ["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "blockwise"],
+                              "'blockwise' is not allowed; choose from: tensorwise, rowwise"),
+    "moe_flavor_under_llama3": (lambda f: ["--model.flavor", "debugmoe"], "(it is a flavor of model.name='moe')"),
+}
+# What only the files decide: each also stops every rank of a plain torchrun, before training.
+RANK_CASES = ["tokenizer_not_json", "binary_dataset", "dump_folder_under_a_file", "negative_load_balance_coeff"]
+
+
+def test_bad_inputs_stop_run_train_sh_in_one_line(tmp_path):
+    files = bad_files(tmp_path / "files")
+    for name, (args, words) in CASES.items():
+        ngpu = 2 if "expert_parallel" in name else 1
+        out = run_train_sh(["--job.dump_folder", str(tmp_path / "run"), *args(files)], ngpu)
+        assert_one_line(out, words)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", RANK_CASES)
+def test_bad_inputs_stop_every_rank_of_plain_torchrun(tmp_path, corpus_jsonl, name):
+    args, words = CASES[name]
+    out = plain_torchrun(tiny_args(corpus_jsonl, tmp_path / "run", *args(bad_files(tmp_path / "files"))), nproc=2)
+    assert_the_rank_said(out, words)
+
+
+def checkpoint_listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_damaged_checkpoint_names_the_newest_whole_step_and_deletes_nothing(corpus_jsonl, tmp_path):
+    """Saved at steps 2 and 4; then step 4's shard is truncated, overwritten and removed in turn."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4")
+    assert plain_torchrun(args).returncode == 0
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    shard = tmp_path / "checkpoint" / "step-4" / "__0_0.distcp"
+    data = shard.read_bytes()
+    longer = [*args, "--training.steps", "6"]
+
+    shard.write_bytes(data[: len(data) // 2])
+    listing = checkpoint_listing(tmp_path / "checkpoint")
+    out = run_train_sh(longer[2:])  # run_train.sh passes the same --job.config_file itself
+    assert_one_line(out, "checkpoint step 4 is damaged (its shard file __0_0.distcp is truncated")
+    assert "nothing was deleted. The newest whole checkpoint is step 2: resume from it with --checkpoint.load_step 2" in out.stderr
+
+    shard.write_bytes(bytes(len(data)))  # whole length, zeros: found only when its tensors are read
+    out = plain_torchrun(longer, nproc=1)
+    assert_the_rank_said(out, "checkpoint step 4 is damaged (reading its shards failed: UnpicklingError: Weights only load failed.)")
+    assert "--checkpoint.load_step 2" in out.stderr
+
+    shard.unlink()
+    out = run_train_sh([*longer[2:], "--checkpoint.load_step", "4"])
+    assert_one_line(out, "checkpoint step 4 is damaged (its shard file __0_0.distcp is missing)")
+
+    listing.pop("step-4/__0_0.distcp")
+    assert checkpoint_listing(tmp_path / "checkpoint") == listing  # nothing deleted, nothing added
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # and nothing trained
+
+
+def test_under_pp_validation_follows_training_unless_set_apart():
+    from titanlite.config import ConfigError, parse_args
+
+    base = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--parallelism.pipeline_parallel_degree", "2"]
+    config = parse_args([*base, "--training.local_batch_size", "4", "--training.seq_len", "128"])
+    assert (config.validation.local_batch_size, config.validation.seq_len) == (4, 128)
+    assert parse_args(["--training.local_batch_size", "4"]).validation.local_batch_size == 8  # no PP: its own
+    from titanlite.parallel.dims import ParallelDims
+
+    set_apart = parse_args([*base, "--training.local_batch_size", "4", "--validation.local_batch_size", "8"])
+    with pytest.raises(ConfigError, match=r"validation.local_batch_size=8 and validation.seq_len=256 must equal training's \(4, 256\)"):
+        ParallelDims.from_config(set_apart, 2)
+
+
+@pytest.fixture()
+def preflight_inputs(tmp_path, corpus_jsonl):
+    from titanlite.config import parse_args
+
+    files = bad_files(tmp_path / "files")
+
+    def config(*extra: str):
+        return parse_args(tiny_args(corpus_jsonl, tmp_path / "run", "--validation.enable", "false", *extra))
+
+    return config, files
+
+
+def test_preflight_checks_each_input_class_itself(preflight_inputs, tmp_path):
+    """preflight.check, called directly: each class of input its docstring names is refused by it."""
+    from titanlite.config import ConfigError
+    from titanlite.preflight import check
+
+    config, files = preflight_inputs
+    check(config(), 1)  # a good config passes
+    for world, extra, words in [
+        (3, ["--parallelism.tensor_parallel_degree", "2"], "do not divide the world size 3"),  # layout
+        (8, ["--parallelism.tensor_parallel_degree", "8", "--model.flavor", "debugmodel_gqa"], "does not divide the model's n_kv_heads"),
+        (2, ["--training.global_batch_size", "6"], "not a multiple of local_batch_size x dp"),  # batch sizes
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+             "--parallelism.pipeline_parallel_layers_per_stage", "2"], "runs one stage per rank"),  # pipeline split
+        (1, ["--model.hf_assets_path", str(files["tokenizer_not_json"])], "cannot be read as a tokenizer"),  # tokenizer
+        (1, ["--training.dataset", str(files["binary_jsonl"])], "is binary, not text"),  # dataset files
+        (1, ["--validation.enable", "true", "--validation.dataset", str(files["empty_jsonl"])], "is empty"),
+        (1, ["--job.dump_folder", str(files["a_file"] / "run")], "cannot be created or written"),  # dump folder
+        (1, ["--checkpoint.initial_load_path", str(tmp_path / "nowhere")], "holds no complete DCP checkpoint"),  # checkpoint
+        (1, ["--checkpoint.enable", "--checkpoint.load_step", "3"], "load_step=3 has no complete checkpoint"),
+    ]:
+        try:
+            check(config(*extra), world)
+        except ConfigError as e:
+            assert words in str(e), (extra, str(e))
+        else:
+            pytest.fail(f"preflight passed {extra} on {world} ranks")
+
+
+def test_preflight_checks_wandb_is_installed(preflight_inputs, monkeypatch):
+    import importlib.util
+
+    from titanlite.config import ConfigError
+    from titanlite.preflight import check
+
+    config, _ = preflight_inputs
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs the wandb package"):
+        check(config("--metrics.enable_wandb", "true"), 1)
+
+
+def test_the_rank_checks_the_dump_folder_before_joining_the_group(tmp_path, corpus_jsonl):
+    """The rank's own check (train.main), not preflight's: one line and exit 2 from plain python."""
+    (tmp_path / "a_file").write_text("")
+    out = run_command([sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "a_file" / "run")], cwd=REPO)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr[-2000:]
+    assert "job.dump_folder=" in out.stderr and "cannot be created or written" in out.stderr
