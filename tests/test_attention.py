@@ -1,6 +1,7 @@
 """Document-masked (block_causal) attention: the layout of packed windows, packed documents against
-each document alone, the FlexAttention path against SDPA, the context-parallel document ring
-against plain attention, and the run through the CLI. (Every parallel layout against the documents
+each document alone, the FlexAttention path against SDPA, the positions and RoPE rows a Trainer
+hands the model (model.reset_position_ids), the context-parallel document ring against plain
+attention, and the run through the CLI. (Every parallel layout against the documents
 alone: test_parallel_parity.py's doc_* cases.)"""
 
 from __future__ import annotations
@@ -155,6 +156,62 @@ def ring_cases() -> dict[str, float]:
         f"{method} reset_positions={reset}": ring_against_plain_attention(method, reset)
         for method in ("allgather", "alltoall") for reset in (False, True)
     }
+
+
+def _positions_reaching_the_model(dataset: str, folder: str) -> dict:
+    """For each (attn_mask_type, reset_position_ids): the windows a real Trainer (byte tokenizer) ran,
+    the positions it handed the model, the RoPE rows the first block's attention received (as
+    (batch, seq, dim)) and the model's RoPE table."""
+    from titanlite.config import parse_args
+    from titanlite.train import Trainer
+
+    seen, results = {}, {}
+    for mask, reset in [("block_causal", True), ("block_causal", False), ("causal", False)]:
+        overrides = ["--model.attn_mask_type", mask] + (["--model.reset_position_ids"] if reset else [])
+        trainer = Trainer(parse_args(tiny_args(dataset, f"{folder}/{mask}-{reset}", *overrides)), torch.device("cpu"))
+        model, bos, seq_len = trainer.model_parts[0], trainer.tokenizer.bos_id, trainer.config.training.seq_len
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.update(positions=kwargs.get("positions")), with_kwargs=True)
+        model.layers["0"].attention.register_forward_pre_hook(lambda m, args: seen.update(rope=args[1]))
+        windows = torch.randint(0, bos, (2, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        windows[0, [0, 5, 6, 20]] = bos  # a document at the window's start, one of its BOS alone, one later
+        windows[1, [9, seq_len - 1]] = bos  # the tail of an earlier document first, one at the last input
+        with torch.no_grad():
+            trainer.forward(windows[:, :-1], windows[:, 1:], backward=False)
+        rope = seen["rope"] if seen["rope"].dim() == 3 else seen["rope"][:seq_len].expand(2, -1, -1)
+        results[mask, reset] = {"inputs": windows[:, :-1], "bos": bos, "positions": seen["positions"],
+                                "rope": rope, "table": model.rope}
+    # Plain lists: tensors would cross to the test through shared memory that the rank's exit frees.
+    return {case: {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in seen.items()}
+            for case, seen in results.items()}
+
+
+def positions_restarting_at_each_bos(row: list[int], bos: int) -> list[int]:
+    """0 at the window's first token and at every BOS, counting up in between."""
+    positions = []
+    for i, token in enumerate(row):
+        positions.append(0 if i == 0 or token == bos else positions[-1] + 1)
+    return positions
+
+
+@pytest.mark.slow
+def test_reset_position_ids_reaches_the_models_rope(corpus_jsonl, tmp_path):
+    """Trainer.forward on windows of several documents: with model.reset_position_ids the model is given
+    positions that restart at each BOS, and its attention the RoPE rows of those positions; without it,
+    0..seq_len-1 (block_causal hands them over, causal leaves the model its default). The loss cannot
+    show this: RoPE is relative, so within a document restarting moves nothing but round-off."""
+    (results,) = run_distributed(_positions_reaching_the_model, 1, str(corpus_jsonl), str(tmp_path))
+    for (mask, reset), seen in results.items():
+        inputs, table = torch.tensor(seen["inputs"]), torch.tensor(seen["table"])
+        if reset:
+            expected = torch.tensor([positions_restarting_at_each_bos(row, seen["bos"]) for row in seen["inputs"]])
+            assert expected[0, :8].tolist() == [0, 1, 2, 3, 4, 0, 0, 1] and expected[1, 9] == 0
+        else:
+            expected = torch.arange(inputs.shape[1]).expand_as(inputs)
+        if mask == "block_causal":
+            assert seen["positions"] == expected.tolist(), (mask, reset, seen["positions"])
+        else:
+            assert seen["positions"] is None
+        assert torch.equal(torch.tensor(seen["rope"]), table[expected]), (mask, reset)
 
 
 @pytest.mark.slow

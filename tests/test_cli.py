@@ -46,17 +46,27 @@ def test_debug_moe_config_trains_on_two_expert_parallel_ranks(tmp_path):
     split over 2 ranks: the loss falls, and the load balance and aux loss reach every sink."""
     env = {**os.environ, "NGPU": "2", "CONFIG_FILE": "train_configs/debug_moe.toml", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     out = run_command(["./run_train.sh", "--parallelism.expert_parallel_degree", "2", "--training.steps", "30",
-                       "--metrics.log_freq", "10", "--validation.freq", "30", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env)
+                       "--metrics.log_freq", "2", "--validation.freq", "30", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ep=2 (world 2)" in out.stdout and "MoE: FLOPs, TFLOPS and MFU count the" in out.stdout
     train = [r for r in metrics(tmp_path) if "loss" in r]
-    assert [r["step"] for r in train] == [1, 10, 20, 30]
+    assert [r["step"] for r in train] == [1, *range(2, 31, 2)]
     assert train[-1]["loss"] < train[0]["loss"] - 1.5, train
     # The busiest expert's load over the mean, worst layer: 1 is balanced, 4 (experts / top_k) is one
-    # expert taking every token. While the debug model's routers learn fast, a layer swings to 3.4 at
-    # times and the expert bias pulls it back (measured: 1.3, 1.4, 3.4, 2.7).
-    loads = [r["moe_max_load"] for r in train]
-    assert all(1.0 <= load < 4.0 for load in loads) and sum(loads) / len(loads) < 3.0, loads
+    # expert taking every token. Measured at these steps (seeds 42, the config's, and 1):
+    #                        steps <= 10: max   steps >= 20: mean   all: mean
+    #   expert bias          1.50, 1.50         2.81, 3.17          2.05, 2.10
+    #   coeff 0 (no bias)    1.34, 1.26         3.43, 3.35          2.28, 2.21
+    #   sign flipped         2.81, 2.70         4.00, 4.00          3.19, 3.18
+    # A flipped update feeds the busiest expert until it takes every token; the bounds below sit
+    # between it and the right update. No bound separates "no bias" in 30 steps: early it is the
+    # more even (the bias's fixed step jitters), and late the gap (0.18 on seed 1) is below the
+    # spread between seeds (0.36).
+    loads = {r["step"]: r["moe_max_load"] for r in train}
+    assert all(1.0 <= load < 4.0 for load in loads.values()) and sum(loads.values()) / len(loads) < 3.0, loads
+    assert all(load < 2.0 for step, load in loads.items() if step <= 10), loads
+    late = [load for step, load in loads.items() if step >= 20]
+    assert sum(late) / len(late) < 3.7, loads
     assert all(0 < r["moe_aux_loss"] < 0.01 for r in train)
     assert "moe_max_load" in out.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -1,5 +1,6 @@
-"""The training loss (titanlite/loss.py) against torch's cross entropy, and the CPU runs' reuse of
-freed host memory (train.reuse_freed_host_memory)."""
+"""The training loss (titanlite/loss.py) against torch's cross entropy (also with labels on every
+vocabulary slice's boundary under loss parallel), and the CPU runs' reuse of freed host memory
+(train.reuse_freed_host_memory)."""
 
 import subprocess
 import sys
@@ -81,3 +82,47 @@ def test_vocab_parallel_cross_entropy_equals_torchs_on_the_whole_logits():
 
     for loss_difference, grad_difference in run_distributed(_vocab_parallel_against_whole, 2, 501):
         assert loss_difference < 1e-6 and grad_difference < 1e-6
+
+
+def _vocab_parallel_at_slice_boundaries(vocabs: tuple[int, ...]) -> list[tuple[int, float, float]]:
+    """(vocab, loss difference, largest gradient difference) against torch's loss on the whole logits,
+    with labels on the first and last id of every rank's vocabulary slice (0 and vocab - 1 among
+    them): where an off-by-one in a slice's start or end gives a label to the wrong rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ranks,))
+    results = []
+    for vocab in vocabs:
+        gen = torch.Generator().manual_seed(vocab)
+        whole = (4 * torch.randn(2, 16, vocab, generator=gen)).requires_grad_()
+        slices = torch.arange(vocab).chunk(ranks)  # the test's own split of the ids, torch.chunk's sizes
+        boundaries = sorted({int(ids[0]) for ids in slices} | {int(ids[-1]) for ids in slices})
+        assert boundaries[0] == 0 and boundaries[-1] == vocab - 1
+        labels = torch.randint(0, vocab, (32,), generator=gen)
+        labels[: len(boundaries)] = torch.tensor(boundaries)
+        labels = labels[torch.randperm(32, generator=gen)].view(2, 16)  # boundaries in both rows
+        split = distribute_tensor(whole.detach(), mesh, [Shard(-1)]).requires_grad_()
+        # The slice this rank holds is the one the test assumed.
+        assert torch.equal(split.to_local(), whole.detach()[..., slices[rank]])
+        ours = cross_entropy_sum(split, labels)
+        assert type(ours.grad_fn).__name__ == "VocabParallelCrossEntropyBackward"
+        (ours / 3).backward()
+        theirs = F.cross_entropy(whole.flatten(0, 1), labels.flatten(), reduction="sum")
+        (theirs / 3).backward()
+        grad_difference = (split.grad.full_tensor() - whole.grad).abs().max() / whole.grad.abs().max()
+        results.append((vocab, abs(ours.item() - theirs.item()) / theirs.item(), grad_difference.item()))
+    return results
+
+
+@pytest.mark.slow
+def test_vocab_parallel_cross_entropy_is_exact_at_every_slice_boundary():
+    """3 ranks: even slices (99 = 3 x 33), uneven ones (100 = 34 + 34 + 32) and a last slice of one id
+    (7 = 3 + 3 + 1); every label on a slice's first or last id, or random."""
+    from distributed import run_distributed
+
+    for per_rank in run_distributed(_vocab_parallel_at_slice_boundaries, 3, (99, 100, 7)):
+        for vocab, loss_difference, grad_difference in per_rank:
+            assert loss_difference <= 1e-6 and grad_difference <= 1e-6, (vocab, loss_difference, grad_difference)

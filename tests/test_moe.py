@@ -87,6 +87,29 @@ def test_expert_bias_moves_towards_balance_with_zero_mean():
     assert abs(bias.sum()) < 1e-6 and layers[0].tokens_per_expert.sum() == 0
 
 
+def test_expert_bias_moves_by_exactly_the_coefficient_whatever_the_imbalance():
+    """DeepSeek-V3's step, centered so the biases keep a zero mean: bias += coeff * (s - mean(s)),
+    s = sign(mean load - load), each expert's sign worked out by hand below. Only signs count, so a
+    step is coeff whatever the counts' scale (the sign test above cannot see a wrong coefficient, a
+    lost sign() or centering, or a bias set instead of moved; these numbers do)."""
+    coeff = 0.01
+    layers = [tiny_moe(load_balance_coeff=coeff) for _ in range(2)]
+    loads = [
+        [8.0, 0, 4, 4, 4, 4, 6, 2],  # mean 4: as many experts above it as below, so no centering shift
+        [10.0, 0, 0, 5, 5, 5, 5, 5],  # mean 4.375: six above, two below, so every step shifts by coeff / 2
+    ]
+    signs = torch.tensor([[-1.0, 1, 0, 0, 0, 0, -1, 1], [-1.0, 1, 1, -1, -1, -1, -1, -1]], dtype=torch.float64)
+    one_step = coeff * (signs - signs.mean(dim=1, keepdim=True))
+    assert one_step[0].tolist() == [-coeff, coeff, 0, 0, 0, 0, -coeff, coeff]
+    for scale, steps_taken in [(1.0, 1), (1000.0, 2)]:  # a thousand times the counts: the same step again
+        for layer, layer_loads in zip(layers, loads):
+            layer.tokens_per_expert.copy_(scale * torch.tensor(layer_loads))
+        counts, _ = global_balance(layers, None)
+        update_expert_bias(layers, counts)
+        bias = torch.stack([layer.expert_bias for layer in layers]).double()
+        assert (bias - steps_taken * one_step).abs().max() <= 1e-6 * coeff, (steps_taken, bias)
+
+
 def test_sequence_aux_loss_follows_deepseek_v3_and_trains_the_router():
     coeff, bsz, seq = 0.1, 2, 6
     layer = tiny_moe(aux_loss_coeff=coeff)
