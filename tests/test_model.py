@@ -1,15 +1,19 @@
 """Llama 3: shapes, presets, FLOPs count, RoPE, GQA, init."""
 
 import math
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from helpers import tiny_args
+from titanlite.config import parse_args
 from titanlite.models import build_model, model_args
 from titanlite.models.args import LLAMA3_FLAVORS
-from titanlite.models.llama import Transformer, apply_rope, rope_cache
+from titanlite.models.llama import FusedLinear, Transformer, apply_rope, rope_cache
 
 
 def tiny(vocab=320, **overrides):
@@ -153,7 +157,6 @@ def test_fused_projections_compute_what_the_separate_ones_do(name, flavor):
     the same names, the same logits, gradients within fp32 round-off; float8 linears keep their own."""
     from titanlite.float8 import convert_to_float8
     from titanlite.models import FAMILIES
-    from titanlite.models.llama import FusedLinear
 
     args = replace(model_args(name, flavor, 320, 64), n_layers=2)
     separate, fused = (FAMILIES[name].plan.build(replace(args, fused_projections=f)) for f in (False, True))
@@ -175,11 +178,35 @@ def test_fused_projections_compute_what_the_separate_ones_do(name, flavor):
     assert torch.equal(fused(tokens), separate(tokens))
 
 
+@pytest.mark.parametrize("overrides", [[], ["--model.name", "moe", "--model.flavor", "debugmoe"]], ids=["llama3", "moe"])
+def test_a_model_built_from_the_default_config_runs_its_fused_matmuls(overrides, tmp_path):
+    """model.fused_projections is the default: a model built from the config as the Trainer builds it
+    multiplies each block's q/k/v, and its w1/w3 (a MoE's shared experts'), in one FusedLinear, in
+    training and in evaluation, and never calls those linears alone. The fused and separate paths give
+    the same results, so parity cannot tell which ran: only the calls can."""
+    config = parse_args(tiny_args(tmp_path / "corpus.jsonl", tmp_path, *overrides))
+    m, seq_len = config.model, config.training.seq_len
+    args = model_args(m.name, m.flavor, 320, seq_len, m.n_layers, m)
+    model = build_model(m.name, args).to_empty(device="cpu")
+    model.init_weights(seed=0)
+    calls = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, FusedLinear)):
+            module.register_forward_hook(lambda *_, name=name: calls.update([name]))
+    tokens = torch.randint(0, 320, (2, seq_len))
+    model(tokens).sum().backward()
+    with torch.no_grad():
+        model(tokens)
+    fused = [name for name, module in model.named_modules() if isinstance(module, FusedLinear)]
+    assert len(fused) == 2 * args.n_layers, fused
+    assert all(calls[name] == 2 for name in fused), calls
+    alone = {name for name in calls if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "w1", "w3")}
+    assert not alone, f"projections configured fused ran separately: {sorted(alone)}"
+
+
 def test_fused_projections_keep_only_the_weights_for_backward():
     """The concatenated weight is not saved for backward (under FSDP it would hold every block's
     gathered weights through the forward): the saved tensors are the input and the parameters."""
-    from titanlite.models.llama import FusedLinear
-
     x = torch.randn(4, 8, requires_grad=True)
     weights = [torch.randn(n, 8, requires_grad=True) for n in (6, 2, 2)]
     saved = []

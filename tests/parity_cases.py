@@ -1,0 +1,197 @@
+"""The parity matrix of test_parallel_parity.py: each case is a layout's CLI overrides, grouped by the
+world size of the launch that runs it (process start dominates on CPU, so cases share launches)."""
+
+from __future__ import annotations
+
+TP = "--parallelism.tensor_parallel_degree"
+F8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
+PP = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
+
+
+def schedule(name: str) -> list[str]:
+    return ["--parallelism.pipeline_parallel_schedule", name]
+
+CASES_2 = {
+    "fsdp2": [],
+    "fsdp2_grad_accumulation": ["--training.global_batch_size", "8"],
+    "fsdp2_reshard_never": ["--parallelism.fsdp_reshard_after_forward", "never"],
+    "ddp2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "tp2_sp_lp": [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "tp2_no_sp": [TP, "2", "--parallelism.enable_sequence_parallel", "false"],
+    "tp2_no_lp": [TP, "2", "--parallelism.disable_loss_parallel"],
+    # q/k/v and w1/w3 as one matmul each: every rank's rows of them, gathered input, partial input gradient.
+    "tp2_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections"],
+    "tp2_separate_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections", "false"],
+    "tp2_no_sp_separate_projections": [TP, "2", "--parallelism.enable_sequence_parallel", "false", "--model.fused_projections", "false"],
+    "fsdp2_separate_projections_ac_selective_op": ["--model.fused_projections", "false", "--activation_checkpoint.mode", "selective"],
+    # Compiled attention and feed-forward under TP trace the fused matmul, also without autograd (validation).
+    "tp2_compile_fused_projections": [TP, "2", "--compile.enable", "--model.fused_projections"],
+    # Activation checkpointing recomputes, so results must not change at all.
+    "fsdp2_ac_full": ["--activation_checkpoint.mode", "full"],
+    "fsdp2_ac_selective_op": ["--activation_checkpoint.mode", "selective"],
+    "tp2_ac_every_2nd_block": [TP, "2", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    # torch.compile (inductor) of blocks and loss: the same math up to fp32 reassociation. (TP 2 and
+    # CP 2 alone compile and match too; the suite keeps FSDP 2 x TP 2 for time.)
+    "fsdp2_compile_ac_op": ["--compile.enable", "--activation_checkpoint.mode", "selective"],
+    # float8 (emulated matmuls: the same float8 rounding as _scaled_mm, fast on CPU).
+    "fsdp2_float8_all_gather": F8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+    "fsdp2_float8_all_gather_precomputed": F8 + ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                                                 "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
+    "fsdp2_float8_rowwise": F8 + ["--quantize.linear.float8.recipe_name", "rowwise"],
+    "tp2_float8": F8 + [TP, "2"],
+    "tp2_float8_no_sp": F8 + [TP, "2", "--parallelism.enable_sequence_parallel", "false"],
+    "tp2_float8_rowwise_with_gw_hp": F8 + [TP, "2", "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp"],
+    # Attention's projections filtered out of float8: its sequence-parallel gather stays exact.
+    "tp2_float8_attention_filtered": F8 + [TP, "2", "--quantize.linear.float8.filter_fqns", "output,attention"],
+    "free_fsdp2": [],
+    "free_tp2": [TP, "2"],
+}
+# Pipeline parallel on 2 ranks: every single-stage schedule, every multi-stage one with 2 stages per
+# rank (loop order, or V order for ZBVZeroBubble/DualPipeV), explicit stages, gradient accumulation.
+CASES_PP2 = {
+    "pp2_gpipe": PP + schedule("GPipe"),
+    "pp2_1f1b": PP + schedule("1F1B"),
+    "pp2_1f1b_grad_accumulation": PP + schedule("1F1B") + ["--training.global_batch_size", "8"],
+    "pp2_1f1b_explicit_stages": PP + schedule("1F1B") + [
+        "--parallelism.module_fqns_per_model_part", "[[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"layers.2\", \"layers.3\", \"layers.4\", \"layers.5\", \"norm\", \"output\"]]"
+    ],
+    "pp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
+    "pp2_loopedbfs": PP + schedule("LoopedBFS"),
+    "pp2_interleavedzerobubble": PP + schedule("InterleavedZeroBubble"),
+    "pp2_zbvzerobubble": PP + schedule("ZBVZeroBubble"),
+    "pp2_dualpipev": PP + schedule("DualPipeV"),
+    "free_pp2_zbvzerobubble": PP + schedule("ZBVZeroBubble"),
+}
+CP = "--parallelism.context_parallel_degree"
+# Context parallel: both rotate methods, with and without load balancing, and composed.
+CASES_CP2 = {
+    "cp2_allgather_headtail": [CP, "2"],
+    "cp2_alltoall_headtail": [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "cp2_allgather_no_balance": [CP, "2", "--parallelism.context_parallel_load_balancer", "none"],
+    "cp2_alltoall_no_balance": [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall",
+                                "--parallelism.context_parallel_load_balancer", "none"],
+    "free_cp2": [CP, "2"],
+}
+CASES_CP4 = {
+    "cp4_allgather_headtail": [CP, "4"],
+    "cp4_alltoall_headtail": [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "cp4_allgather_no_balance": [CP, "4", "--parallelism.context_parallel_load_balancer", "none"],
+    "cp4_alltoall_no_balance": [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall",
+                                "--parallelism.context_parallel_load_balancer", "none"],
+    "cp2_fsdp2": [CP, "2", "--model.flavor", "debugmodel_gqa"],
+    "cp2_tp2": [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "cp2_pp2": [CP, "2"] + PP,
+}
+CASES_4 = {
+    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    "fsdp2_tp2": [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "ddp2_tp2": [TP, "2", "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "pp4_1f1b": ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "4"],
+    "pp2_fsdp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
+    "pp2_tp2_1f1b": PP + [TP, "2"],
+    "fsdp2_tp2_compile_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--compile.enable", "--model.fused_projections"],
+    "fsdp2_tp2_separate_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections", "false"],
+    "fsdp2_tp2_float8_all_gather": F8 + [TP, "2", "--model.flavor", "debugmodel_gqa", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                                         "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
+    "free_fsdp2_tp2": [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "free_hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+}
+CASES_8 = {
+    "pp2_fsdp2_tp2_1f1b": PP + [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "pp2_cp2_tp2_ac_op": PP + [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa", "--activation_checkpoint.mode", "selective"],
+}
+
+MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
+MOE_SIGMOID_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe_sigmoid", "--model.moe_aux_loss_coeff", "0.01"]
+EP, ETP = "--parallelism.expert_parallel_degree", "--parallelism.expert_tensor_parallel_degree"
+# Mixture of experts (with a shared expert; or sigmoid routing without one, plus the aux loss): the
+# experts split over ranks borrowed from dp_shard and cp, composed with FSDP, HSDP, CP, PP and AC.
+CASES_MOE_2 = {
+    "moe_fsdp2": MOE,
+    "moe_ep2": MOE + [EP, "2"],
+    "moe_ep2_loop": MOE + [EP, "2", "--model.moe_grouped_mm", "false"],
+    "moe_ep2_sigmoid_aux": MOE_SIGMOID_AUX + [EP, "2"],
+    "moe_ep2_ac_full": MOE_SIGMOID_AUX + [EP, "2", "--activation_checkpoint.mode", "full"],
+    "moe_ep2_ac_selective_op": MOE + [EP, "2", "--activation_checkpoint.mode", "selective"],
+    "moe_pp2_dualpipev_aux": MOE_SIGMOID_AUX + PP + schedule("DualPipeV"),
+    "moe_cp2_ep2": MOE + [CP, "2", EP, "2"],
+    "moe_pp2_aux": MOE_SIGMOID_AUX + PP + schedule("1F1B"),
+    "moe_pp2_zbv_aux": MOE_SIGMOID_AUX + PP + schedule("ZBVZeroBubble"),
+    "moe_pp2_interleaved_aux": MOE_SIGMOID_AUX + PP + schedule("Interleaved1F1B"),
+    # Compiled attention and dense FFNs (MoE layers stay eager); float8 on the dense linears.
+    "moe_ep2_compile": MOE + [EP, "2", "--compile.enable"],
+    "moe_ep2_float8": MOE + F8 + [EP, "2"],
+    # Tensor parallel: attention split by heads, each tp rank routing its sequence shard (EP borrows tp).
+    "moe_tp2_separate_projections": MOE + [TP, "2", "--model.fused_projections", "false"],
+    "moe_ep2_tp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2"],
+    # Expert tensor parallel: each expert's hidden dim split over tp.
+    "moe_tp2_etp2_loop": MOE + [TP, "2", ETP, "2", "--model.moe_grouped_mm", "false"],
+    "free_moe_ep2": MOE + [EP, "2"],
+}
+CASES_MOE_4 = {
+    "moe_ep2_fsdp2": MOE + [EP, "2"],
+    "moe_ep4_aux": MOE_SIGMOID_AUX + [EP, "4"],
+    "moe_hsdp2x2_ep2": MOE + ["--parallelism.data_parallel_replicate_degree", "2", EP, "2"],
+    "moe_pp2_ep2_aux": MOE_SIGMOID_AUX + PP + [EP, "2"],
+    "moe_cp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", EP, "4"],
+    "moe_fsdp2_tp2_aux": MOE_SIGMOID_AUX + [TP, "2"],
+    "moe_ep2_tp2_etp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2", ETP, "2"],
+    "moe_cp2_tp2_etp2": MOE + [CP, "2", TP, "2", ETP, "2"],
+    "moe_ep2_fsdp2_tp2": MOE + [EP, "2", TP, "2"],
+    # Under TP a MoE layer's float8 linears (shared experts) would scale by the tp rank's tokens, not
+    # the whole sequence the reference sees: filtered here, so float8 covers the attention.
+    "moe_ep4_tp2_float8": MOE + F8 + [EP, "4", TP, "2", "--quantize.linear.float8.filter_fqns", "output,shared_experts"],
+    "moe_pp2_ep2_tp2": MOE + PP + [EP, "2", TP, "2"],
+    "moe_cp2_tp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", TP, "2", EP, "4"],
+}
+
+BC = ["--model.attn_mask_type", "block_causal"]
+BC_RESET = BC + ["--model.reset_position_ids"]
+# Document masks (block-causal attention) against each document alone, on every layout: the mask
+# reaches every pipeline stage (and its microbatches), is shared by the tp ranks' heads, and under
+# context parallel each KV shard's document ids and positions travel around the ring with it.
+CASES_DOC_2 = {
+    "doc_fsdp2": BC,
+    "doc_fsdp2_reset_positions_grad_accumulation": BC_RESET + ["--training.global_batch_size", "8"],
+    "doc_tp2": BC + [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "doc_pp2_1f1b": BC + PP + schedule("1F1B"),
+    "doc_pp2_zbvzerobubble": BC_RESET + PP + schedule("ZBVZeroBubble"),
+    "doc_cp2_allgather_headtail": BC + [CP, "2", "--model.flavor", "debugmodel_gqa"],
+    "doc_cp2_alltoall_headtail": BC + [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "doc_cp2_alltoall_no_balance_reset_positions": BC_RESET + [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall",
+                                                              "--parallelism.context_parallel_load_balancer", "none"],
+    "doc_fsdp2_ac_selective_op": BC + ["--activation_checkpoint.mode", "selective"],
+    "doc_fsdp2_compile": BC + ["--compile.enable"],
+    "doc_fsdp2_float8": BC + F8,
+    "doc_moe_ep2": BC + MOE + [EP, "2"],
+}
+CASES_DOC_4 = {
+    "doc_cp4_alltoall_headtail": BC + [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall"],
+    "doc_cp2_tp2_ac_full": BC + [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa", "--activation_checkpoint.mode", "full"],
+    "doc_cp2_pp2_ac_selective_op": BC_RESET + [CP, "2"] + PP + ["--activation_checkpoint.mode", "selective"],
+    "doc_cp2_fsdp2_compile": BC + [CP, "2", "--compile.enable"],
+    "doc_moe_cp2_ep2_aux": BC + MOE_SIGMOID_AUX + [CP, "2", EP, "2"],
+}
+
+
+# The extended matrix: variants of layouts the default cases already cover (another float8 recipe,
+# rotate method or schedule of the same degree, a balancer off, ...). `pytest -m full` or
+# scripts/test_full.sh runs them; the default test command leaves them out to stay under 20 minutes.
+EXTENDED = {
+    "fsdp2_reshard_never", "tp2_no_lp", "fsdp2_float8_all_gather_precomputed", "tp2_float8_no_sp",
+    "tp2_float8_rowwise_with_gw_hp", "tp2_float8_attention_filtered", "pp2_loopedbfs", "pp2_interleavedzerobubble",
+    "free_pp2_zbvzerobubble", "cp2_alltoall_no_balance", "moe_ep2_loop", "moe_pp2_zbv_aux", "moe_pp2_interleaved_aux",
+    "doc_fsdp2_float8", "doc_fsdp2_ac_selective_op",
+    "ddp2_tp2", "pp2_fsdp2_interleaved1f1b", "fsdp2_tp2_float8_all_gather", "free_hsdp2x2", "cp4_allgather_no_balance",
+    "cp4_alltoall_no_balance", "moe_ep2_tp2_etp2_aux", "moe_cp2_tp2_etp2", "moe_pp2_ep2_tp2", "moe_cp2_tp2_ep4_aux",
+    "doc_cp2_fsdp2_compile", "pp2_gpipe", "tp2_ac_every_2nd_block", "moe_ep2_ac_full", "fsdp2_float8_rowwise",
+    "cp2_allgather_no_balance", "moe_ep4_tp2_float8", "moe_hsdp2x2_ep2", "free_fsdp2_tp2", "moe_ep2_fsdp2_tp2",
+    "fsdp2_tp2_compile_fused_projections", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",
+    "tp2_no_sp", "free_tp2", "tp2_no_sp_separate_projections", "fsdp2_tp2_separate_projections", "tp2_compile_fused_projections",
+    "fsdp2_separate_projections_ac_selective_op", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
+    "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
+    "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
+    "tp2_sp_lp", "free_cp2", "doc_fsdp2",
+}
+TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2
+FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4
