@@ -4,6 +4,7 @@ plain `torchrun -m titanlite.train` (each rank finds the same itself). Nothing i
 nothing trains. Then preflight.check itself, for every class of input it claims to check, so a
 check removed from preflight fails here even though the rank would print the same line."""
 
+import json
 import os
 import re
 import sys
@@ -65,6 +66,20 @@ def bad_files(root: Path) -> dict[str, Path]:
     files["text_as_parquet"].write_text('{"text": "not parquet at all"}\n')
     files["binary_txt"].write_bytes(b"caf\xe9 latin-1, not UTF-8 " * 100)
     files["a_file"].write_text("not a folder")
+    from safetensors.torch import save_file
+    import torch
+
+    hf = root / "hf_truncated"
+    hf.mkdir(exist_ok=True)
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 16}))
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 16)}, str(hf / "model.safetensors"))
+    (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:-100])
+    files["hf_truncated"] = hf / "model.safetensors"
+    hf_config = root / "hf_bad_config"
+    hf_config.mkdir(exist_ok=True)
+    (hf_config / "config.json").write_text("{'single': 'quotes'}")
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 16)}, str(hf_config / "model.safetensors"))
+    files["hf_bad_config"] = hf_config / "config.json"
     return files
 
 
@@ -76,6 +91,12 @@ CASES = {  # name: (arguments given the bad files, words of the line)
     "parquet_that_is_text": (lambda f: ["--training.dataset", str(f["text_as_parquet"])], "is not a parquet file"),
     "binary_txt_folder": (lambda f: ["--training.dataset_path", str(f["binary_txt"].parent)], "doc.txt' is not UTF-8 text"),
     "dump_folder_under_a_file": (lambda f: ["--job.dump_folder", str(f["a_file"] / "run")], "cannot be created or written (Not a directory"),
+    "config_file_not_text": (lambda f: ["--job.config_file", str(f["binary_jsonl"])], "binary.jsonl' is not valid TOML"),
+    "config_file_a_folder": (lambda f: ["--job.config_file", str(f["a_file"].parent)], "cannot be read (Is a directory)"),
+    "hf_weights_truncated": (lambda f: ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(f["hf_truncated"].parent)],
+                             "model.safetensors' cannot be read"),
+    "hf_config_not_json": (lambda f: ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(f["hf_bad_config"].parent)],
+                           "config.json' cannot be read (JSONDecodeError"),
     "negative_load_balance_coeff": (lambda f: [*MOE, "--model.moe_load_balance_coeff", "-0.001"], "moe_load_balance_coeff=-0.001 must be >= 0"),
     "negative_aux_loss_coeff": (lambda f: [*MOE, "--model.moe_aux_loss_coeff", "-1"], "moe_aux_loss_coeff=-1.0 must be >= 0"),
     "expert_parallel_without_experts": (lambda f: ["--parallelism.expert_parallel_degree", "2"], "this model has none"),

@@ -274,6 +274,9 @@ def check_checkpoint_files(path: Path, run_folder: Path, own: bool) -> None:
     """The checkpoint a run will load, checked as loading checks it (preflight and every rank, before
     they join the process group); a damaged one gives damaged_checkpoint_line."""
     if is_hf_checkpoint(path):
+        from titanlite.hf import check_hf_files
+
+        check_hf_files(path)
         return
     try:
         read_metadata_safely(path / ".metadata")

@@ -704,8 +704,10 @@ def load_toml(path: str) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"job.config_file='{path}' does not exist; pass an existing TOML file (see train_configs/)")
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"job.config_file='{path}' is not valid TOML: {e}")
+    except OSError as e:  # a folder, a file that cannot be read
+        raise ConfigError(f"job.config_file='{path}' cannot be read ({e.strerror or e}); pass a TOML file (see train_configs/)")
 
 
 def _toml_pairs(table: dict, prefix: str = "") -> list[tuple[str, object]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from titanlite.config import ConfigError
 from titanlite.models.args import ModelArgs, MoEArgs, check_hf_exportable
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers writes by default (5 GB)
@@ -215,10 +216,35 @@ def num_experts(config: dict) -> int:
 
 
 def read_hf_config(folder: Path) -> tuple[dict, int, int]:
-    """(config.json, attention heads, kv heads) of a Hugging Face model folder."""
-    config = json.loads((folder / "config.json").read_text())
-    heads = config["num_attention_heads"]
+    """(config.json, attention heads, kv heads) of a Hugging Face model folder; ConfigError naming the
+    file when it is not JSON or lacks the head count."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        heads = config["num_attention_heads"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"Hugging Face config '{path}' cannot be read ({type(e).__name__}: {e}); use the config.json saved with "
+            "the weights (it needs num_attention_heads)"
+        ) from None
     return config, heads, config.get("num_key_value_heads", heads)
+
+
+def check_hf_files(folder: Path) -> None:
+    """Every safetensors file of a Hugging Face folder opens (safetensors checks its header against the
+    file's length: a truncated or foreign file fails here), without reading any tensor."""
+    from safetensors import safe_open
+
+    read_hf_config(folder)
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+            raise ConfigError(
+                f"Hugging Face weights '{path}' cannot be read ({e}); the file is damaged or not safetensors: "
+                "copy it again from its source"
+            ) from None
 
 
 def iter_hf(folder: Path):
