@@ -256,7 +256,7 @@ def damaged_checkpoint_line(damage: DamagedCheckpoint, run_folder: Path, own: bo
     earlier step of the run (in `run_folder`) whose files pass the same checks."""
     if not own:
         return f"{damage}; nothing was deleted. Point checkpoint.initial_load_path at a whole checkpoint"
-    step = int(damage.folder.name.removeprefix("step-"))
+    step = int(damage.folder.name.removeprefix("step-").removesuffix(".replaced"))
     for earlier in reversed([s for s in complete_steps(run_folder) if s < step]):
         candidate = run_folder / f"step-{earlier}"
         try:
@@ -273,6 +273,8 @@ def damaged_checkpoint_line(damage: DamagedCheckpoint, run_folder: Path, own: bo
 def check_checkpoint_files(path: Path, run_folder: Path, own: bool) -> None:
     """The checkpoint a run will load, checked as loading checks it (preflight and every rank, before
     they join the process group); a damaged one gives damaged_checkpoint_line."""
+    if not path.exists() and path.with_name(path.name + ".replaced").exists():
+        path = path.with_name(path.name + ".replaced")  # a crash cut its replacement short; it comes back at start
     if is_hf_checkpoint(path):
         from titanlite.hf import check_hf_files
 
