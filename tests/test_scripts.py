@@ -93,3 +93,22 @@ def test_the_repository_speaks_of_itself_alone():
             if outside.search(line) and "start_new_session" not in line and 'scope="session"' not in line:
                 found.append(f"{name}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_every_mutation_still_applies_once_and_names_existing_tests():
+    """scripts/mutations.toml stays true to the code: each mutation's text occurs exactly once in its
+    file (a stale one would stop mutation_check.py), and each test it names exists."""
+    import re
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from mutation_check import load_mutations
+
+    entries = load_mutations()
+    assert len(entries) >= 14
+    for entry in entries:
+        assert (REPO / entry["file"]).read_text().count(entry["before"]) == 1, entry["name"]
+        assert entry["before"] != entry["after"], entry["name"]
+        for test in entry["tests"]:
+            path, _, name = test.partition("::")
+            function = re.sub(r"\[.*\]$", "", name)
+            assert (REPO / path).is_file() and (not function or f"def {function}(" in (REPO / path).read_text()), (entry["name"], test)
