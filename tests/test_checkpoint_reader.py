@@ -61,6 +61,23 @@ def test_only_dcp_shard_names_are_accepted(tmp_path, name):
         read_metadata_safely(mine / ".metadata")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_links_out_of_the_folder_are_refused(tmp_path):
+    """A shard or a .metadata that is a link to another run's file: the names are DCP's, the bytes are
+    not this folder's. A folder that is itself a link is fine."""
+    mine, other = save(tmp_path / "run", 0.0), save(tmp_path / "other_run", 7.0)
+    (tmp_path / "linked").symlink_to(mine)
+    read_metadata_safely(tmp_path / "linked" / ".metadata")
+    (mine / "__0_0.distcp").unlink()
+    (mine / "__0_0.distcp").symlink_to(other / "__0_0.distcp")
+    with pytest.raises(ConfigError, match=r"has shard file __0_0.distcp linking outside its folder"):
+        read_metadata_safely(mine / ".metadata")
+    (mine / ".metadata").unlink()
+    (mine / ".metadata").symlink_to(other / ".metadata")
+    with pytest.raises(ConfigError, match=r"links outside its folder"):
+        read_metadata_safely(mine / ".metadata")
+
+
 # Protocol 2: _MEM_FORMAT_ENCODING(0) (the enum member DCP encodes contiguous tensors with), then
 # BUILD {'_value_': 7} on it: state set on a member every later DCP save of the process uses.
 ENUM_BUILD = (

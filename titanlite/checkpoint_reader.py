@@ -6,7 +6,7 @@ on instances it has just created (so a crafted file cannot change a class, an en
 other object the process already holds). Then the metadata is checked against the folder before a
 byte of tensor data is allocated or read:
   - every storage entry names a shard file DCP's writer would name (`__<rank>_<n>.distcp`), inside
-    the checkpoint folder, with no transforms (titanlite writes none);
+    the checkpoint folder (a link may not lead out of it), with no transforms (titanlite writes none);
   - every shard file exists and is long enough for the entries it holds (a truncated or missing shard
     is refused, naming the file);
   - every tensor's chunks lie inside the tensor, cover it once, and each fits in its stored bytes,
@@ -123,6 +123,8 @@ class _MetadataUnpickler(pickle._Unpickler):
 def read_metadata_safely(path: Path) -> Metadata:
     """DCP's metadata from `path` through the allow-list, checked against its folder (check_metadata);
     ConfigError naming the file for anything else (a crafted file could run code through pickle)."""
+    if path.is_symlink() and path.resolve().parent != path.parent.resolve():
+        _refuse(path, f"links outside its folder (to {path.resolve()})")
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -179,6 +181,8 @@ def check_metadata(metadata: Metadata, path: Path) -> None:
         shard = folder / name
         if not shard.is_file():
             raise DamagedCheckpoint(folder, f"its shard file {name} is missing")
+        if shard.resolve().parent != folder.resolve():  # a link may lead anywhere: the folder may not
+            _refuse(path, f"has shard file {name} linking outside its folder (to {shard.resolve()})")
         have = shard.stat().st_size
         if have < end:
             raise DamagedCheckpoint(folder, f"its shard file {name} is truncated ({have} bytes; its entries reach byte {end})")
