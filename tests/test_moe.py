@@ -50,8 +50,10 @@ def test_grouped_matmul_equals_the_loop_over_experts(align):
         out = run()
         grads = torch.autograd.grad(out, (x, *weights), grad_out)
         results.append((out, *grads))
+    # The two paths sum in different orders: fp32 round-off, which in the whole suite's process once
+    # reached 6e-6 (2.8e-5 relative) on 1 of 176 gradient entries; a wrong group boundary is off by O(1).
     for loop, grouped in zip(*results):
-        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grouped, loop, rtol=1e-4, atol=1e-5)
 
 
 def tiny_moe(**overrides) -> MoE:
