@@ -9,9 +9,10 @@
 Each entry of scripts/mutations.toml names a file, the text `before` (found exactly once in it), the
 text `after`, and the tests that must catch the change (pytest node ids). The mutation is applied to
 a scratch copy of the working tree (the checkout itself is never touched), and its tests run there
-with that copy first on the import path: a test that fails is "caught", one that passes "missed".
+with that copy first on the import path: tests that fail are "caught", tests that pass "missed"; a
+timeout or a collection error is reported as such, and is not caught.
 Before any mutation runs, the tests of the selected entries run once on the unchanged copy: a test
-that fails there would make every mutation look caught. Exit status 1 if any mutation is missed.
+that fails there would make every mutation look caught. Exit status 1 if any mutation is not caught.
 """
 
 from __future__ import annotations
@@ -66,15 +67,17 @@ def apply(root: Path, entry: dict) -> None:
     path.write_text(text.replace(entry["before"], entry["after"]))
 
 
-def run_tests(root: Path, tests: list[str], python: str, timeout: int) -> tuple[bool, str]:
-    """(whether the tests passed, the tail of their output), run in `root` with it first on the path."""
+def run_tests(root: Path, tests: list[str], python: str, timeout: int) -> tuple[str, str]:
+    """(passed, failed, or why neither: a timeout, no test collected, an error; the tail of the output),
+    the tests run in `root` with it first on the path. Only "failed" counts as caught."""
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "full or not full", *tests]
     try:
         out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return False, f"timed out after {timeout}s"
-    return out.returncode == 0, (out.stdout + out.stderr)[-1500:]
+        return f"timed out after {timeout} s", ""
+    outcome = {0: "passed", 1: "failed", 5: "no test collected"}.get(out.returncode, f"pytest error {out.returncode}")
+    return outcome, (out.stdout + out.stderr)[-1500:]
 
 
 def main() -> None:
@@ -105,30 +108,30 @@ def main() -> None:
         if not args.skip_baseline:
             tests = sorted({t for e in entries for t in e["tests"]})
             print(f"baseline: {len(tests)} test(s) on the unchanged code ...", flush=True)
-            passed, output = run_tests(clean, tests, args.python, args.timeout)
-            if not passed:
-                raise SystemExit(f"the tests fail on the unchanged code; fix that first:\n{output}")
+            outcome, output = run_tests(clean, tests, args.python, args.timeout)
+            if outcome != "passed":
+                raise SystemExit(f"the tests do not pass on the unchanged code ({outcome}); fix that first:\n{output}")
         rows = []
         for i, entry in enumerate(entries, 1):
             root = Path(tmp) / entry["name"]
             shutil.copytree(clean, root)
             apply(root, entry)
             start = time.monotonic()
-            passed, output = run_tests(root, entry["tests"], args.python, args.timeout)
+            outcome, output = run_tests(root, entry["tests"], args.python, args.timeout)
             seconds = time.monotonic() - start
-            verdict = "missed" if passed else "caught"
+            verdict = {"failed": "caught", "passed": "missed"}.get(outcome, outcome)
             rows.append((entry, verdict, seconds))
             print(f"[{i}/{len(entries)}] {entry['name']}: {verdict} ({seconds:.0f}s)", flush=True)
-            if passed:
-                print(f"    {entry['file']}: {entry['before']!r} -> {entry['after']!r} passed {' '.join(entry['tests'])}")
+            if verdict != "caught":
+                print(f"    {entry['file']}: {entry['before']!r} -> {entry['after']!r}: {' '.join(entry['tests'])} {outcome}")
             shutil.rmtree(root)
 
     table = ["| mutation | file | what it breaks | test that must catch it | result |", "|---|---|---|---|---|"]
     for entry, verdict, seconds in rows:
         tests = "<br>".join(f"`{t}`" for t in entry["tests"])
         table.append(f"| {entry['name']} | `{entry['file']}` | {entry['why']} | {tests} | {verdict} ({seconds:.0f} s) |")
-    missed = [e["name"] for e, verdict, _ in rows if verdict == "missed"]
-    summary = f"{len(rows) - len(missed)} of {len(rows)} mutations caught" + (f"; missed: {', '.join(missed)}" if missed else "")
+    missed = [e["name"] for e, verdict, _ in rows if verdict != "caught"]
+    summary = f"{len(rows) - len(missed)} of {len(rows)} mutations caught" + (f"; not caught: {', '.join(missed)}" if missed else "")
     print("\n".join(table) + "\n" + summary)
     if args.markdown:
         args.markdown.write_text("\n".join(table) + "\n\n" + summary + "\n")

@@ -157,6 +157,9 @@ def test_a_damaged_checkpoint_names_the_newest_whole_step_and_deletes_nothing(co
     out = run_train_sh([*longer[2:], "--checkpoint.load_step", "4"])
     assert_one_line(out, "checkpoint step 4 is damaged (its shard file __0_0.distcp is missing)")
 
+    out = run_train_sh([*longer[2:], "--checkpoint.load_step", "2", "--model.flavor", "debugmodel_gqa"])
+    assert_one_line(out, "has shape [256, 256], this run's [128, 256]: it was saved from another model shape")
+
     listing.pop("step-4/__0_0.distcp")
     assert checkpoint_listing(tmp_path / "checkpoint") == listing  # nothing deleted, nothing added
     assert (tmp_path / "metrics.jsonl").read_text() == metrics  # and nothing trained
@@ -195,6 +198,12 @@ def test_preflight_checks_each_input_class_itself(preflight_inputs, tmp_path):
 
     config, files = preflight_inputs
     check(config(), 1)  # a good config passes
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    damaged = tmp_path / "damaged_run" / "checkpoint" / "step-3"
+    dcp.save({"model": {"w": torch.zeros(64, 64)}}, checkpoint_id=str(damaged), no_dist=True)
+    (damaged / "__0_0.distcp").write_bytes((damaged / "__0_0.distcp").read_bytes()[:1000])
     for world, extra, words in [
         (3, ["--parallelism.tensor_parallel_degree", "2"], "do not divide the world size 3"),  # layout
         (8, ["--parallelism.tensor_parallel_degree", "8", "--model.flavor", "debugmodel_gqa"], "does not divide the model's n_kv_heads"),
@@ -207,6 +216,7 @@ def test_preflight_checks_each_input_class_itself(preflight_inputs, tmp_path):
         (1, ["--job.dump_folder", str(files["a_file"] / "run")], "cannot be created or written"),  # dump folder
         (1, ["--checkpoint.initial_load_path", str(tmp_path / "nowhere")], "holds no complete DCP checkpoint"),  # checkpoint
         (1, ["--checkpoint.enable", "--checkpoint.load_step", "3"], "load_step=3 has no complete checkpoint"),
+        (1, ["--checkpoint.enable", "--job.dump_folder", str(damaged.parent.parent)], "checkpoint step 3 is damaged (its shard file"),
     ]:
         try:
             check(config(*extra), world)

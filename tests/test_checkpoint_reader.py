@@ -116,7 +116,7 @@ def test_state_outside_a_records_fields_is_refused(tmp_path):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("craft, message", [
     ("huge", r"declares 4398046511104 bytes for a chunk of tensor 'model.w' with \d+ stored bytes"),
-    ("uncovered", r"declares tensor 'model.w' of size \[1099511627776, 1\] but its chunks hold 32 elements"),
+    ("uncovered", r"declares tensor 'model.w' of size \[1099511627776, 1\] but its chunks \(32 elements\) do not cover it"),
     ("outside", r"gives tensor 'model.w' of size \[4, 8\] a chunk outside it"),
 ])
 def test_sizes_beyond_the_stored_bytes_are_refused_before_allocating(tmp_path, craft, message):
@@ -165,3 +165,48 @@ def test_what_dcp_writes_is_accepted(tmp_path):
     state = {"model": {"w": torch.zeros(4, 8)}}
     load_checked(state, SafeFileSystemReader(str(mine)), mine, no_dist=True)
     assert torch.equal(state["model"]["w"], torch.full((4, 8), 3.0))
+
+
+def save_two_tensors(folder: Path) -> Path:
+    dcp.save({"model": {"a": torch.full((4, 8), 1.0), "b": torch.full((4, 8), 2.0)}}, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_chunks_that_overlap_and_bytes_read_twice_are_refused(tmp_path):
+    """Chunk element counts that add up, but two chunks on the same rows (the rest left as whatever
+    memory held); two entries on the same bytes of a shard (each allocates, the file holds one)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    mine = save_two_tensors(tmp_path / "twice")
+
+    def same_rows_twice(metadata):
+        entry = metadata.state_dict_metadata["model.a"]
+        entry.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 8]))] * 2
+    rewrite_metadata(mine, same_rows_twice)
+    with pytest.raises(ConfigError, match=r"but its chunks \(32 elements\) do not cover it exactly once"):
+        read_metadata_safely(mine / ".metadata")
+
+    mine = save_two_tensors(tmp_path / "shared")
+
+    def b_reads_as_bytes(metadata):
+        a = metadata.storage_data[MetadataIndex("model.a", torch.Size([0, 0]))]
+        b = metadata.storage_data[MetadataIndex("model.b", torch.Size([0, 0]))]
+        b.offset, b.length = a.offset, a.length
+    rewrite_metadata(mine, b_reads_as_bytes)
+    with pytest.raises(ConfigError, match=r"stores entries 'model.a' and 'model.b' in overlapping bytes of __0_0.distcp"):
+        read_metadata_safely(mine / ".metadata")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_entry_name_that_is_not_a_string_is_refused(tmp_path):
+    mine = save(tmp_path / "run", 0.0)
+    rewrite_metadata(mine, lambda m: m.state_dict_metadata.update({7: m.state_dict_metadata["model.w"]}))
+    with pytest.raises(ConfigError, match="has an entry named 7, not a string"):
+        read_metadata_safely(mine / ".metadata")
+
+
+def test_shard_names_are_matched_whole():
+    from titanlite.checkpoint_reader import SHARD_FILE
+
+    assert SHARD_FILE.fullmatch("__0_12.distcp") and not SHARD_FILE.fullmatch("__0_0.distcp\n")

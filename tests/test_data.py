@@ -150,3 +150,21 @@ def test_a_rank_without_documents_fails_instead_of_spinning(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_file_damaged_past_its_first_bytes_stops_with_one_line(tmp_path):
+    """The sniff reads 64 KiB; a line broken after that stops the loader with a ConfigError naming the
+    file and how far it got, not a traceback from inside `datasets`."""
+    import json
+
+    from titanlite.data.dataset import open_source
+    from titanlite.data.sources import resolve_source
+
+    path = tmp_path / "late.jsonl"
+    good = "".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(1000))
+    assert len(good) > 1 << 16
+    path.write_text(good + '{"text": "cut off\n' + good)
+    windows = TokenWindows(open_source(resolve_source(str(path), None), "train"), ByteTokenizer(), 64, files=str(path))
+    with pytest.raises(ConfigError, match=rf"dataset '{path}' could not be read after \d+ documents \("):
+        for _ in windows:
+            pass

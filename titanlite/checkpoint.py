@@ -363,9 +363,14 @@ class Checkpointer:
                     for key, m in metadata.items()
                     if key.startswith(f"{name}.")
                 }
-        for key in _flatten_keys(state):
+        for key, value in _flatten_items(state):
             if not isinstance(metadata.get(key), TensorStorageMetadata):
                 raise ConfigError(f"checkpoint '{path}' has no entry '{key}'; it was not written by this titanlite")
+            if tuple(metadata[key].size) != tuple(value.shape):  # else DCP's size error reads like damage
+                raise ConfigError(
+                    f"checkpoint '{path}' entry '{key}' has shape {list(metadata[key].size)}, this run's {list(value.shape)}: "
+                    "it was saved from another model shape; load it with the model config that saved it"
+                )
         load_checked(state, reader, path)
 
         if "model" in state:
@@ -417,11 +422,11 @@ class Checkpointer:
             )
 
 
-def _flatten_keys(state: dict, prefix: str = "") -> list[str]:
-    keys = []
+def _flatten_items(state: dict, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    items = []
     for k, v in state.items():
         if isinstance(v, dict):
-            keys += _flatten_keys(v, f"{prefix}{k}.")
+            items += _flatten_items(v, f"{prefix}{k}.")
         else:
-            keys.append(f"{prefix}{k}")
-    return keys
+            items.append((f"{prefix}{k}", v))
+    return items

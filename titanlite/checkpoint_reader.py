@@ -9,8 +9,9 @@ byte of tensor data is allocated or read:
     the checkpoint folder (a link may not lead out of it), with no transforms (titanlite writes none);
   - every shard file exists and is long enough for the entries it holds (a truncated or missing shard
     is refused, naming the file);
-  - every tensor's chunks lie inside the tensor, cover it once, and each fits in its stored bytes,
-    so no declared size can make loading allocate more than the files hold.
+  - every tensor's chunks lie inside the tensor, cover it exactly once, and each fits in its stored
+    bytes, and no two entries share bytes of a file, so no declared size can make loading allocate
+    more than the files hold, or leave any of it unwritten.
 Anything else is refused with a ConfigError naming the file; a damaged folder raises
 DamagedCheckpoint, which the checkpointer turns into a line naming an earlier whole step.
 """
@@ -40,7 +41,7 @@ from titanlite.checkpoint_paths import complete_steps, is_hf_checkpoint
 from titanlite.config import ConfigError
 
 # The shard files DCP's FileSystemWriter writes: `__{rank}_{file index}.distcp`.
-SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+SHARD_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")  # matched whole (fullmatch)
 
 # What a DCP metadata pickle references: DCP's metadata classes, sizes, dtypes, layouts, paths.
 METADATA_GLOBALS = {
@@ -120,9 +121,30 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = load_build
 
 
+# Parsed and checked metadata by (file, modification time, size): preflight's check on each rank and
+# the load that follows read it once (the pure-Python unpickler takes ~70 us a chunk).
+_CHECKED: dict[tuple[Path, int, int], tuple[Metadata, dict[str, int]]] = {}
+
+
 def read_metadata_safely(path: Path) -> Metadata:
     """DCP's metadata from `path` through the allow-list, checked against its folder (check_metadata);
     ConfigError naming the file for anything else (a crafted file could run code through pickle)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        stat = None
+    key = (path.resolve(), stat.st_mtime_ns, stat.st_size) if stat else None
+    if key not in _CHECKED or key is None:
+        parsed = _read_and_check(path)
+        if key is None:
+            return parsed[0]
+        _CHECKED[key] = parsed
+    metadata, shard_ends = _CHECKED[key]
+    check_shard_files(path.parent, shard_ends, path)  # every time: the shards may change, not the metadata
+    return metadata
+
+
+def _read_and_check(path: Path) -> tuple[Metadata, dict[str, int]]:
     if path.is_symlink() and path.resolve().parent != path.parent.resolve():
         _refuse(path, f"links outside its folder (to {path.resolve()})")
     try:
@@ -140,8 +162,7 @@ def read_metadata_safely(path: Path) -> Metadata:
             f"checkpoint metadata '{path}' is not plain DCP metadata ({reason}); refusing to load it, since "
             "unpickling it could run code. Use a checkpoint written by torch.distributed.checkpoint"
         )
-    check_metadata(metadata, path)
-    return metadata
+    return metadata, check_metadata(metadata, path)
 
 
 def _refuse(path: Path, what: str):
@@ -153,31 +174,43 @@ def _is_size(value) -> bool:
     return isinstance(value, torch.Size) and all(isinstance(n, int) and n >= 0 for n in value)
 
 
-def check_metadata(metadata: Metadata, path: Path) -> None:
-    """The metadata's entries are DCP's, its shard files are inside the folder and whole, and no tensor
-    declares more bytes than its stored chunks hold (checked before anything is allocated)."""
-    folder = path.parent
+def check_metadata(metadata: Metadata, path: Path) -> dict[str, int]:
+    """The metadata's entries are DCP's, in shard files of the folder, and no tensor declares more
+    bytes than its stored chunks hold (checked before anything is allocated). Returns each shard
+    file's name and the byte its entries reach."""
     storage = metadata.storage_data
     if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
         _refuse(path, "has no storage table")
-    needed: dict[str, int] = {}  # shard file -> the bytes its entries reach
+    ranges: dict[str, list[tuple[int, int, str]]] = {}  # shard file -> (start, end, entry) of its entries
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) or not isinstance(index.fqn, str):
             _refuse(path, f"has a storage entry {index!r} that is not DCP's")
         name = info.relative_path
-        if not isinstance(name, str) or not SHARD_FILE.match(name):
+        if not isinstance(name, str) or not SHARD_FILE.fullmatch(name):
             _refuse(path, f"points entry '{index.fqn}' at '{name}', not a shard file of this folder (__<rank>_<n>.distcp)")
         if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0 and info.length >= 0):
             _refuse(path, f"gives entry '{index.fqn}' the byte range {info.offset!r}+{info.length!r}")
         if info.transform_descriptors:
             _refuse(path, f"asks for transforms {info.transform_descriptors!r} on entry '{index.fqn}' (titanlite writes none)")
-        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+        ranges.setdefault(name, []).append((info.offset, info.offset + info.length, index.fqn))
     for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(key, str):
+            _refuse(path, f"has an entry named {key!r}, not a string")
         if isinstance(entry, TensorStorageMetadata):
             _check_tensor(path, key, entry, storage)
         elif not isinstance(entry, BytesStorageMetadata):
             _refuse(path, f"describes entry '{key}' as a {type(entry).__name__}")
-    for name, end in sorted(needed.items()):
+    for name, entries in sorted(ranges.items()):
+        entries.sort()
+        for (_, end, first), (start, _, second) in zip(entries, entries[1:]):
+            if start < end:  # each entry its own bytes: shared bytes would load (and allocate) twice
+                _refuse(path, f"stores entries '{first}' and '{second}' in overlapping bytes of {name}")
+    return {name: max(end for _, end, _ in entries) for name, entries in ranges.items()}
+
+
+def check_shard_files(folder: Path, shard_ends: dict[str, int], path: Path) -> None:
+    """Every shard file is in the folder (a link may not lead out of it) and reaches its entries' end."""
+    for name, end in sorted(shard_ends.items()):
         shard = folder / name
         if not shard.is_file():
             raise DamagedCheckpoint(folder, f"its shard file {name} is missing")
@@ -192,7 +225,6 @@ def _check_tensor(path: Path, key: str, entry: TensorStorageMetadata, storage: d
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype) or not _is_size(entry.size) or not isinstance(entry.chunks, list):
         _refuse(path, f"describes tensor '{key}' with a malformed size or dtype")
-    covered = 0
     for chunk in entry.chunks:
         if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(chunk.offsets) and _is_size(chunk.sizes)
                 and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
@@ -203,9 +235,30 @@ def _check_tensor(path: Path, key: str, entry: TensorStorageMetadata, storage: d
         if info is None or chunk_bytes > info.length:
             stored = "no stored bytes" if info is None else f"{info.length} stored bytes"
             _refuse(path, f"declares {chunk_bytes} bytes for a chunk of tensor '{key}' with {stored}")
-        covered += math.prod(chunk.sizes)
-    if covered != math.prod(entry.size):
-        _refuse(path, f"declares tensor '{key}' of size {list(entry.size)} but its chunks hold {covered} elements")
+    if not _tiles_exactly(entry.size, entry.chunks):
+        covered = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+        _refuse(path, f"declares tensor '{key}' of size {list(entry.size)} but its chunks ({covered} elements) do not "
+                      "cover it exactly once")
+
+
+# DCP's chunks of one tensor cut it along a few boundaries per dim (one per shard); a finer grid is not DCP's.
+MAX_GRID_CELLS = 1 << 24
+
+
+def _tiles_exactly(size: torch.Size, chunks: list) -> bool:
+    """Whether the chunks cover the tensor exactly once (no element missing, none twice): on the grid of
+    every chunk boundary, each cell lies in exactly one chunk."""
+    if len(chunks) == 1:
+        return all(o == 0 for o in chunks[0].offsets) and tuple(chunks[0].sizes) == tuple(size)
+    cuts = [sorted({0, n, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
+            for d, n in enumerate(size)]
+    if math.prod(len(c) - 1 for c in cuts) > MAX_GRID_CELLS:
+        return False
+    where = [{cut: i for i, cut in enumerate(c)} for c in cuts]
+    counts = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+    for chunk in chunks:
+        counts[tuple(slice(w[o], w[o + s]) for w, o, s in zip(where, chunk.offsets, chunk.sizes))] += 1
+    return bool((counts == 1).all())
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -260,7 +313,7 @@ def damaged_checkpoint_line(damage: DamagedCheckpoint, run_folder: Path, own: bo
     earlier step of the run (in `run_folder`) whose files pass the same checks."""
     if not own:
         return f"{damage}; nothing was deleted. Point checkpoint.initial_load_path at a whole checkpoint"
-    step = int(damage.folder.name.removeprefix("step-").removesuffix(".replaced"))
+    step = int(damage.folder.name.removeprefix("step-"))
     for earlier in reversed([s for s in complete_steps(run_folder) if s < step]):
         candidate = run_folder / f"step-{earlier}"
         try:
@@ -277,8 +330,8 @@ def damaged_checkpoint_line(damage: DamagedCheckpoint, run_folder: Path, own: bo
 def check_checkpoint_files(path: Path, run_folder: Path, own: bool) -> None:
     """The checkpoint a run will load, checked as loading checks it (preflight and every rank, before
     they join the process group); a damaged one gives damaged_checkpoint_line."""
-    if not path.exists() and path.with_name(path.name + ".replaced").exists():
-        path = path.with_name(path.name + ".replaced")  # a crash cut its replacement short; it comes back at start
+    if not path.exists():
+        return  # moved aside by a crash (step-N.replaced): rank 0 puts it back at start, and loading checks it
     if is_hf_checkpoint(path):
         from titanlite.hf import check_hf_files
 

@@ -40,10 +40,14 @@ def open_source(source: Source, split: str):
     return load_dataset(source.name, source.subset, split=source.split or split, streaming=True)
 
 
-def readable(documents):
-    """The documents, with a file that fails to parse past its first bytes (sources.py sniffs those) as
-    a ConfigError naming the error, instead of a traceback from deep inside `datasets`."""
-    iterator = iter(documents)
+def readable(documents, files: str | None):
+    """The documents; from local `files`, a file that fails to parse past its first bytes (sources.py
+    sniffs those) stops the run as a ConfigError naming them, not a traceback from inside `datasets`.
+    A hub stream's errors (the network) pass through as they are."""
+    if files is None:
+        yield from documents
+        return
+    iterator, read = iter(documents), 0
     while True:
         try:
             doc = next(iterator)
@@ -52,9 +56,10 @@ def readable(documents):
         except Exception as e:  # pyarrow, json and gzip each raise their own
             reason = (str(e).strip().splitlines() or [""])[0][:200]
             raise ConfigError(
-                f"the dataset could not be read past its first documents ({type(e).__name__}: {reason}); fix or remove "
-                "the damaged file (training.dataset / validation.dataset)"
+                f"dataset '{files}' could not be read after {read} documents ({type(e).__name__}: {reason}); fix or "
+                "remove the damaged file"
             ) from None
+        read += 1
         yield doc
 
 
@@ -76,8 +81,10 @@ class TokenWindows(IterableDataset, Stateful):
         rank: int = 0,
         ranks: int = 1,
         block: int = 1,
+        files: str | None = None,
     ):
         self.documents, self.tokenizer, self.seq_len = documents, tokenizer, seq_len
+        self.files = files  # the local files' location, named when one fails to parse
         self.text_field, self.infinite = text_field, infinite
         self.rank, self.ranks, self.block = rank, ranks, block
         self._start = documents.state_dict()
@@ -89,7 +96,7 @@ class TokenWindows(IterableDataset, Stateful):
         window = self.seq_len + 1
         while True:
             documents = 0
-            for documents, doc in enumerate(readable(self.documents), 1):
+            for documents, doc in enumerate(readable(self.documents, self.files), 1):
                 if self.text_field not in doc:
                     raise ConfigError(
                         f"training.dataset_text_field='{self.text_field}' is not a column of the dataset; "
@@ -137,7 +144,8 @@ def build_dataloader(
     t = config.training
     settings = t if split == "train" else config.validation
     loader = settings.dataloader
-    documents = open_source(split_source(config, split), split)
+    source = split_source(config, split)
+    documents = open_source(source, split)
     if t.data_split == "documents":
         documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_degree)
         dp_rank, dp_degree = 0, 1  # this rank's documents are all its own
@@ -151,7 +159,7 @@ def build_dataloader(
         )
     windows = TokenWindows(
         documents, tokenizer, settings.seq_len, t.dataset_text_field, split == "train", dp_rank, dp_degree,
-        settings.local_batch_size,
+        settings.local_batch_size, source.name if source.kind == "files" else None,
     )
     # drop_last: a partial batch would not split into pipeline microbatches, and ranks must agree on
     # the number of batches of a finite (validation) stream.

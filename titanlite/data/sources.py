@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import socket
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -53,25 +54,28 @@ SNIFF_BYTES = 1 << 16
 
 def format_problem(path: str, builder: str) -> str | None:
     """What is wrong with a local data file, judged from its first bytes (its name says its format), or
-    None: empty, binary, not gzip, not UTF-8, not JSON lines, not parquet."""
-    raw = Path(path)
-    if raw.stat().st_size == 0:
+    None: unreadable, empty, binary, not gzip, not UTF-8, not JSON lines, not parquet."""
+    try:
+        return _content_problem(Path(path), builder)
+    except (OSError, EOFError, zlib.error) as e:
+        return f"unreadable ({getattr(e, 'strerror', None) or e})"
+
+
+def _content_problem(raw: Path, builder: str) -> str | None:
+    size = raw.stat().st_size
+    if size == 0:
         return "empty"
     with open(raw, "rb") as f:
         head = f.read(SNIFF_BYTES)
-    if builder == "parquet":
-        with open(raw, "rb") as f:
-            f.seek(-4, os.SEEK_END)
-            tail = f.read(4)
-        return None if head[:4] == tail == b"PAR1" else "not a parquet file (no PAR1 marks at its start and end)"
-    if path.endswith(".gz"):
+        if builder == "parquet":
+            f.seek(max(size - 4, 0))
+            marks = head[:4] == f.read(4) == b"PAR1" and size >= 8
+            return None if marks else "not a parquet file (no PAR1 marks at its start and end)"
+    if raw.name.endswith(".gz"):
         if head[:2] != b"\x1f\x8b":
             return "not gzip-compressed, though its name ends in .gz"
-        try:
-            with gzip.open(raw, "rb") as f:
-                head = f.read(SNIFF_BYTES)
-        except (OSError, EOFError) as e:
-            return f"a damaged gzip file ({e})"
+        with gzip.open(raw, "rb") as f:
+            head = f.read(SNIFF_BYTES)
         if not head:
             return "empty once decompressed"
     if b"\0" in head:
@@ -80,6 +84,7 @@ def format_problem(path: str, builder: str) -> str | None:
         text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
     except UnicodeDecodeError as e:
         return f"not UTF-8 text (byte {e.start})"
+    text = text.removeprefix("\ufeff")  # a byte-order mark: pyarrow's JSON reader skips it
     if builder == "json":
         first = text.lstrip()[:1]
         if first not in ("{", "["):
