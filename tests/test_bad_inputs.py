@@ -158,7 +158,8 @@ def test_a_damaged_checkpoint_names_the_newest_whole_step_and_deletes_nothing(co
     assert_one_line(out, "checkpoint step 4 is damaged (its shard file __0_0.distcp is missing)")
 
     out = run_train_sh([*longer[2:], "--checkpoint.load_step", "2", "--model.flavor", "debugmodel_gqa"])
-    assert_one_line(out, "has shape [256, 256], this run's [128, 256]: it was saved from another model shape")
+    assert_one_line(out, "it was saved from another model shape; load it with the model config that saved it")
+    assert re.search(r"entry 'model\.layers\.\d+\.attention\.w[kv]\.weight' has shape \[256, 256\], this run's \[\d+, 256\]", out.stderr), out.stderr
 
     listing.pop("step-4/__0_0.distcp")
     assert checkpoint_listing(tmp_path / "checkpoint") == listing  # nothing deleted, nothing added
