@@ -59,3 +59,34 @@ def test_clip_grad_norm_clips_in_place_and_reports_total():
     assert torch.cat([a.grad, b.grad]).norm().item() == pytest.approx(1.0, rel=1e-5)
     unclipped = clip_grad_norm_([a, b], max_norm=0.0)  # <= 0: report only
     assert unclipped.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def _partial_gradients_summed() -> list:
+    """Gradients still pending a sum over a 2-rank mesh (Partial), of two dtypes and shapes: after
+    reduce_partial_grads each holds the sum of the ranks' pieces, checked against dist.all_reduce."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from titanlite.optim import reduce_partial_grads
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rank = dist.get_rank()
+    params, expected = [], []
+    for shape, dtype in (((3,), torch.float32), ((2, 5), torch.float32), ((4,), torch.float64)):
+        piece = torch.arange(math.prod(shape), dtype=dtype).reshape(shape) * (rank + 1) + rank
+        p = torch.nn.Parameter(DTensor.from_local(torch.zeros(shape, dtype=dtype), mesh, [Partial()], run_check=False))
+        p.grad = DTensor.from_local(piece.clone(), mesh, [Partial()], run_check=False)
+        total = piece.clone()
+        dist.all_reduce(total)
+        params.append(p)
+        expected.append(total)
+    reduce_partial_grads(params)
+    return [not p.grad.placements[0].is_partial() and torch.equal(p.grad.to_local(), want) for p, want in zip(params, expected)]
+
+
+@pytest.mark.slow
+def test_partial_gradients_are_summed_once_over_their_mesh():
+    from distributed import run_distributed
+
+    assert run_distributed(_partial_gradients_summed, 2) == [[True, True, True]] * 2
