@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint_reader import (
     DamagedCheckpoint,
-    SafeFileSystemReader,
     damaged_checkpoint_line,
     load_checked,
     read_tensor_metadata,
@@ -136,14 +135,6 @@ class Checkpointer:
             )
         if self.c.enable and self.is_coordinator:
             self.remove_unfinished()
-        self.readers: dict[Path, SafeFileSystemReader] = {}
-
-    def reader(self, path: Path) -> SafeFileSystemReader:
-        """One reader per checkpoint folder: choosing where to resume and loading from it unpickle its
-        metadata (slowly, in pure Python) once."""
-        if path not in self.readers:
-            self.readers[path] = SafeFileSystemReader(str(path))
-        return self.readers[path]
 
     def remove_unfinished(self) -> None:
         """Clean up after a crash: saves and removals it cut short are never loaded, so they go; a
@@ -296,7 +287,7 @@ class Checkpointer:
         """The run's own checkpoint to resume: `chosen` if it holds the training state (or is the
         step-0 seed), else the newest one that does. A model-only final save (last_save_model_only,
         last_save_in_hf) cannot continue training, so resuming past it would restart at step 0."""
-        if self.resumable(chosen, self.reader(chosen)):
+        if self.resumable(chosen):
             return chosen
         if self.c.load_step >= 0:
             raise ConfigError(
@@ -306,7 +297,7 @@ class Checkpointer:
             )
         for step in reversed(complete_steps(self.folder)):
             candidate = self.folder / f"step-{step}"
-            if self.resumable(candidate, self.reader(candidate)):
+            if self.resumable(candidate):
                 log_line(f"{chosen.name} holds the model only (last_save_model_only); resuming from {candidate.name}")
                 return candidate
         raise ConfigError(
@@ -316,10 +307,10 @@ class Checkpointer:
         )
 
     @staticmethod
-    def resumable(path: Path, reader: SafeFileSystemReader | None = None) -> bool:
+    def resumable(path: Path) -> bool:
         if is_hf_checkpoint(path):
             return False
-        keys = {key.split(".", 1)[0] for key in read_tensor_metadata(path, (), reader)[1]}
+        keys = {key.split(".", 1)[0] for key in read_tensor_metadata(path, ())[1]}
         if "train" in keys:
             raise ConfigError(
                 f"checkpoint '{path}' was written by a titanlite older than its TorchTitan v0.2.2 schema (a 'train' "
@@ -348,7 +339,7 @@ class Checkpointer:
 
     def load_from(self, path: Path, parts: set[str]) -> None:
         t = self.trainer
-        reader, metadata = read_tensor_metadata(path, parts, self.reader(path))
+        reader, metadata = read_tensor_metadata(path, parts)
         parts &= {key.split(".", 1)[0] for key in metadata}  # a model-only checkpoint resumes the weights only
         state = {}
         if "model" in parts:

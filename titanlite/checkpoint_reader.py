@@ -132,13 +132,10 @@ def read_metadata_safely(path: Path) -> Metadata:
     try:
         stat = path.stat()
     except OSError:
-        stat = None
-    key = (path.resolve(), stat.st_mtime_ns, stat.st_size) if stat else None
-    if key not in _CHECKED or key is None:
-        parsed = _read_and_check(path)
-        if key is None:
-            return parsed[0]
-        _CHECKED[key] = parsed
+        return _read_and_check(path)[0]  # refuses the missing or unreadable file, naming it
+    key = (path.resolve(), stat.st_mtime_ns, stat.st_size)
+    if key not in _CHECKED:
+        _CHECKED[key] = _read_and_check(path)
     metadata, shard_ends = _CHECKED[key]
     check_shard_files(path.parent, shard_ends, path)  # every time: the shards may change, not the metadata
     return metadata
@@ -263,19 +260,11 @@ def _tiles_exactly(size: torch.Size, chunks: list) -> bool:
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader, with the metadata read by `read_metadata_safely` (DCP's own reader unpickles
-    it with no limits), once per file: our entry check and dcp.load both ask for it, and the
-    pure-Python unpickler is slow on the metadata of a large sharded model."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._metadata: dict[Path, Metadata] = {}
+    it with no limits); its parse is kept per process, so our entry check and dcp.load share one."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
-        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        if path not in self._metadata:
-            self._metadata[path] = read_metadata_safely(path)
-        metadata = self._metadata[path]
+        metadata = read_metadata_safely(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
