@@ -64,20 +64,25 @@ CASES_PP2 = {
 }
 CP = "--parallelism.context_parallel_degree"
 # Context parallel: both rotate methods, with and without load balancing, and composed.
+ALLTOALL = ["--parallelism.context_parallel_rotate_method", "alltoall"]
+NO_BALANCE = ["--parallelism.context_parallel_load_balancer", "none"]
+
+
+def rotations_and_balancers(degree: int) -> dict[str, list[str]]:
+    return {
+        f"cp{degree}_allgather_headtail": [CP, str(degree)],
+        f"cp{degree}_alltoall_headtail": [CP, str(degree), *ALLTOALL],
+        f"cp{degree}_allgather_no_balance": [CP, str(degree), *NO_BALANCE],
+        f"cp{degree}_alltoall_no_balance": [CP, str(degree), *ALLTOALL, *NO_BALANCE],
+    }
+
+
 CASES_CP2 = {
-    "cp2_allgather_headtail": [CP, "2"],
-    "cp2_alltoall_headtail": [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
-    "cp2_allgather_no_balance": [CP, "2", "--parallelism.context_parallel_load_balancer", "none"],
-    "cp2_alltoall_no_balance": [CP, "2", "--parallelism.context_parallel_rotate_method", "alltoall",
-                                "--parallelism.context_parallel_load_balancer", "none"],
+    **rotations_and_balancers(2),
     "free_cp2": [CP, "2"],
 }
 CASES_CP4 = {
-    "cp4_allgather_headtail": [CP, "4"],
-    "cp4_alltoall_headtail": [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall"],
-    "cp4_allgather_no_balance": [CP, "4", "--parallelism.context_parallel_load_balancer", "none"],
-    "cp4_alltoall_no_balance": [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall",
-                                "--parallelism.context_parallel_load_balancer", "none"],
+    **rotations_and_balancers(4),
     "cp2_fsdp2": [CP, "2", "--model.flavor", "debugmodel_gqa"],
     "cp2_tp2": [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa"],
     "cp2_pp2": [CP, "2"] + PP,
