@@ -234,10 +234,10 @@ def test_config_check_exits_2_with_one_line():
 def test_a_torch_outside_the_tested_range_is_refused_in_one_line():
     from titanlite import SUPPORTED_TORCH, check_torch_version
 
-    for ok in ("2.11.0", "2.13.0+cpu", "2.14.1"):
+    for ok in ("2.11.0", "2.13.0+cpu", "2.14.1", "2.15.0"):
         check_torch_version(ok)
-    for bad in ("2.10.2", "2.15.0", "3.0.0.dev20270101"):
-        with pytest.raises(ImportError, match=rf"works with torch 2.11 to 2.14, not {re.escape(bad)}; pip install"):
+    for bad in ("2.10.2", "2.16.0", "3.0.0.dev20270101"):
+        with pytest.raises(ImportError, match=rf"works with torch 2.11 to 2.15, not {re.escape(bad)}; pip install"):
             check_torch_version(bad)
     # The same range as the package's dependency.
     low, high = SUPPORTED_TORCH
