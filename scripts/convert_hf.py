@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanlite.checkpoint import write_hf
-from titanlite.checkpoint_reader import read_tensor_metadata
+from titanlite.checkpoint.checkpointer import write_hf
+from titanlite.checkpoint.reader import read_tensor_metadata
 from titanlite.config import ConfigError
-from titanlite.hf import load_hf
+from titanlite.checkpoint.hf import load_hf
 from titanlite.models import FAMILIES
 
 

@@ -19,7 +19,9 @@ from dataclasses import fields
 from pathlib import Path
 
 from titanlite.hardware import GPUS, find_gpu
-from titanlite.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
+from titanlite.models.common.args import ModelArgs
+from titanlite.models.llama3.args import LLAMA3_FLAVORS
+from titanlite.models.moe.args import MOE_FLAVORS
 from titanlite.planner import FITTED, GIB, Layout, breakdown, estimate, explain, fit_constants, plan, published_runs
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-import titanlite.checkpoint
+import titanlite.checkpoint.checkpointer
 from titanlite.train import main
 
 saves = 0
@@ -60,9 +60,9 @@ if __name__ == "__main__":
     if point == "data_written":
         dcp.FileSystemWriter.finish = crash_on_second(dcp.FileSystemWriter.finish)
     elif point == "before_commit":
-        titanlite.checkpoint.Checkpointer.commit = crash_on_second(titanlite.checkpoint.Checkpointer.commit)
+        titanlite.checkpoint.checkpointer.Checkpointer.commit = crash_on_second(titanlite.checkpoint.checkpointer.Checkpointer.commit)
     elif point == "during_removal":
-        titanlite.checkpoint.shutil.rmtree = remove_one_file_then_die
+        titanlite.checkpoint.checkpointer.shutil.rmtree = remove_one_file_then_die
     elif point == "between_renames":
         Path.rename = rename_then_die_if_moved_aside
     else:

@@ -17,7 +17,7 @@ from helpers import tiny_args
 from test_cli import metrics, torchrun
 from titanlite.launch import curve_difference
 from titanlite.models import build_model, model_args
-from titanlite.models.attention import CoreAttention, build_mask, document_layout
+from titanlite.models.common.attention import CoreAttention, build_mask, document_layout
 
 BOS = 1
 
@@ -91,7 +91,7 @@ def test_flex_attention_path_matches_sdpa(monkeypatch):
     script runs it compiled, with backward."""
     from torch.nn.attention import flex_attention
 
-    from titanlite.models import attention
+    from titanlite.models.common import attention
 
     for name in ("flex_attention", "create_block_mask"):
         monkeypatch.setitem(attention._COMPILED, name, getattr(flex_attention, name))

@@ -75,7 +75,7 @@ def test_a_model_only_final_save_is_passed_over_when_resuming(corpus_jsonl, tmp_
 def test_a_checkpoint_of_the_older_layout_is_refused_in_one_line(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from titanlite.checkpoint import Checkpointer
+    from titanlite.checkpoint.checkpointer import Checkpointer
     from titanlite.config import ConfigError
 
     old = tmp_path / "step-4"
@@ -129,7 +129,7 @@ def crash(point: str, args: list[str]) -> None:
 def test_a_crash_at_any_point_of_a_save_resumes_from_the_last_good_checkpoint(corpus_jsonl, tmp_path):
     """Die (exit 137, as kill -9) at each point of the step-4 save, then rerun: the last complete
     checkpoint loads, the run ends like an uninterrupted one, and nothing unfinished is left."""
-    from titanlite.checkpoint_paths import complete_steps
+    from titanlite.checkpoint.paths import complete_steps
 
     args = lambda folder, *extra: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "6",
                                             "--checkpoint.interval", "2", *extra)
@@ -164,7 +164,7 @@ def test_a_crash_while_a_step_is_saved_again_keeps_the_old_checkpoint(corpus_jso
 def test_metadata_that_would_patch_a_class_is_refused(tmp_path):
     """Protocol-0 pickle: a DCP metadata class, then BUILD with {'__eq__': None}, which would set the
     attribute on the class itself for the whole process."""
-    from titanlite.checkpoint_reader import read_metadata_safely
+    from titanlite.checkpoint.reader import read_metadata_safely
     from titanlite.config import ConfigError
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -233,9 +233,9 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
     assert run_command([*convert, "to-hf", str(step), str(tmp_path / "hf"), "--flavor", "debugmodel_gqa"], cwd=REPO).returncode == 0
     assert run_command([*convert, "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")], cwd=REPO).returncode == 0
 
-    from titanlite.checkpoint import read_model_weights as read_model
+    from titanlite.checkpoint.checkpointer import read_model_weights as read_model
     from titanlite.models import model_args
-    from titanlite.models.llama import Transformer
+    from titanlite.models.llama3.model import Transformer
 
     ours = Transformer(model_args("llama3", "debugmodel_gqa", 259, 64))
     ours.load_state_dict(read_model(step))
@@ -248,7 +248,7 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
         if name != "rope":
             assert torch.equal(back[name], value), name
     # Large models go out in shards with an index, as transformers writes them.
-    from titanlite.checkpoint import write_hf
+    from titanlite.checkpoint.checkpointer import write_hf
 
     write_hf(step, tmp_path / "sharded", ours.args, torch.float32, shard_bytes=2**20)
     assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 3
@@ -290,7 +290,7 @@ def _load_pickled_checkpoint(path: str) -> str:
 
     import torch.distributed.checkpoint as dcp
 
-    from titanlite.checkpoint import Checkpointer
+    from titanlite.checkpoint.checkpointer import Checkpointer
     from titanlite.config import ConfigError, parse_args
 
     # A checkpoint whose train_state.step is a Python object: DCP would unpickle it on load.
@@ -343,7 +343,7 @@ def test_loading_never_unpickles_code_from_the_metadata(corpus_jsonl, tmp_path):
 def test_moe_resharding_across_expert_parallel_degrees(corpus_jsonl, tmp_path):
     """Save a MoE run on EP 2; resume on EP 2 (bitwise), 1 process and EP 4 x FSDP: the next step's
     loss matches EP 2's own, and the expert bias (training state, not a weight) comes back."""
-    from titanlite.checkpoint import read_model_weights
+    from titanlite.checkpoint.checkpointer import read_model_weights
 
     moe = [*COMMON, "--model.name", "moe", "--model.flavor", "debugmoe", "--model.moe_load_balance_coeff", "0.01"]
     source = tmp_path / "source"
@@ -375,9 +375,9 @@ def test_qwen3_moe_weights_round_trip_through_hugging_face_names(tmp_path):
     written in Hugging Face's names and layout (one tensor per expert, q/k rows as halves) in shards,
     reads back equal; a nonzero expert bias is refused, as Qwen3-MoE has none."""
     from titanlite.config import ConfigError
-    from titanlite.hf import load_hf, save_hf
+    from titanlite.checkpoint.hf import load_hf, save_hf
     from titanlite.models import model_args
-    from titanlite.models.moe import MoETransformer
+    from titanlite.models.moe.model import MoETransformer
 
     args = model_args("moe", "debugmoe_qwen3", 259, 64)
     torch.manual_seed(0)
@@ -400,9 +400,9 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
     norms) imports through convert_hf.py with the same logits, exports back to the same weights, and
     a run on EP 2 exports through checkpoint.last_save_in_hf as transformers reads it."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-    from titanlite.checkpoint import read_model_weights
+    from titanlite.checkpoint.checkpointer import read_model_weights
     from titanlite.models import model_args
-    from titanlite.models.moe import MoETransformer
+    from titanlite.models.moe.model import MoETransformer
 
     args = model_args("moe", "debugmoe_qwen3", 259, 64)
     config = transformers.Qwen3MoeConfig(
@@ -444,7 +444,7 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
     torchrun(2, tiny_args(corpus_jsonl, tmp_path / "ep2", *run))
     exported = tmp_path / "ep2" / "checkpoint" / "step-2"
     trained = transformers.Qwen3MoeForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
-    from titanlite.hf import load_hf
+    from titanlite.checkpoint.hf import load_hf
 
     ours.load_state_dict(load_hf(exported))
     with torch.no_grad():

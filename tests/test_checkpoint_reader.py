@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-from titanlite.checkpoint_reader import DamagedCheckpoint, SafeFileSystemReader, load_checked, read_metadata_safely
+from titanlite.checkpoint.reader import DamagedCheckpoint, SafeFileSystemReader, load_checked, read_metadata_safely
 from titanlite.config import ConfigError
 
 
@@ -207,6 +207,6 @@ def test_an_entry_name_that_is_not_a_string_is_refused(tmp_path):
 
 
 def test_shard_names_are_matched_whole():
-    from titanlite.checkpoint_reader import SHARD_FILE
+    from titanlite.checkpoint.reader import SHARD_FILE
 
     assert SHARD_FILE.fullmatch("__0_12.distcp") and not SHARD_FILE.fullmatch("__0_0.distcp\n")

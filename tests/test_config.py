@@ -66,7 +66,7 @@ def test_names_outside_the_torchtitan_schema_point_to_theirs(old, new):
 def test_schema_has_every_torchtitan_v0_2_2_key_with_its_default():
     """tests/torchtitan_v0_2_2_keys.json is scripts/torchtitan_schema.py's list of TorchTitan v0.2.2's
     keys and defaults. Defaults differ only where the behaviour does, for the reason given."""
-    from titanlite.config import LEAVES, _default
+    from titanlite.config.keys import LEAVES, default_value
 
     torchtitan = json.loads((REPO / "tests" / "torchtitan_v0_2_2_keys.json").read_text())
     assert len(torchtitan) == 149
@@ -78,8 +78,8 @@ def test_schema_has_every_torchtitan_v0_2_2_key_with_its_default():
     }
     for key, default in torchtitan.items():
         assert key in LEAVES, key
-        assert _default(LEAVES[key][0]) == default or key in different, (key, default)
-    assert all(_default(LEAVES[key][0]) != torchtitan[key] for key in different)
+        assert default_value(LEAVES[key][0]) == default or key in different, (key, default)
+    assert all(default_value(LEAVES[key][0]) != torchtitan[key] for key in different)
     ours = {key for key in LEAVES if key not in torchtitan}
     assert ours == {key for key, (f, _) in LEAVES.items() if f.metadata["extension"]}
 
@@ -188,9 +188,9 @@ training.max_norm training.seq_len training.steps validation.dataset validation.
 
 
 def test_shipped_configs_use_every_key_torchtitans_configs_do():
-    from titanlite.config import _toml_pairs
+    from titanlite.config.reading import toml_pairs
 
-    ours = {key for path in (REPO / "train_configs").glob("*.toml") for key, _ in _toml_pairs(load_toml(str(path)))}
+    ours = {key for path in (REPO / "train_configs").glob("*.toml") for key, _ in toml_pairs(load_toml(str(path)))}
     assert set(TORCHTITAN_CONFIG_KEYS) <= ours, sorted(set(TORCHTITAN_CONFIG_KEYS) - ours)
 
 

@@ -12,8 +12,10 @@ from torch import nn
 from helpers import tiny_args
 from titanlite.config import parse_args
 from titanlite.models import build_model, model_args
-from titanlite.models.args import LLAMA3_FLAVORS
-from titanlite.models.llama import FusedLinear, Transformer, apply_rope, rope_cache
+from titanlite.models.llama3.args import LLAMA3_FLAVORS
+from titanlite.models.common.linear import FusedLinear
+from titanlite.models.common.rope import apply_rope, rope_cache
+from titanlite.models.llama3.model import Transformer
 
 
 def tiny(vocab=320, **overrides):

@@ -9,8 +9,9 @@ import torch
 
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import build_model, model_args
-from titanlite.models.args import MOE_FLAVORS, check_moe
-from titanlite.models.moe import MoE, MoETransformer, global_balance, grouped_swiglu, looped_swiglu, set_batch, update_expert_bias
+from titanlite.models.moe.args import MOE_FLAVORS, check_moe
+from titanlite.models.common.moe import MoE, global_balance, grouped_swiglu, looped_swiglu, set_batch, update_expert_bias
+from titanlite.models.moe.model import MoETransformer
 from titanlite.parallel.dims import ParallelDims
 
 
@@ -198,7 +199,7 @@ def test_bad_moe_shapes_are_refused(overrides, world, message):
 
 
 def test_bad_expert_parallel_layouts_are_refused():
-    from titanlite.models.args import LLAMA3_FLAVORS, check_llama3
+    from titanlite.models.llama3.args import LLAMA3_FLAVORS, check_llama3
 
     with pytest.raises(ConfigError, match="expert_parallel_degree=2 splits the experts of a MoE model, and this model has none"):
         check_llama3(LLAMA3_FLAVORS["debugmodel"], dims("--parallelism.expert_parallel_degree", "2", world=2))

@@ -109,8 +109,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.data.dataset import build_dataloader
     from titanlite.float8 import convert_to_float8
     from titanlite.loss import cross_entropy_sum  # the trainer's (test_loss.py holds it to torch's)
-    from titanlite.models.llama import canonical_fqn
-    from titanlite.models.moe import global_balance, set_batch, update_expert_bias
+    from titanlite.models.common.fqn import canonical_fqn
+    from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
     from titanlite.optim import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
     from titanlite.train import Trainer

@@ -10,7 +10,7 @@ from helpers import tiny_args
 from test_cli import metrics, torchrun
 from titanlite.hardware import GPU, find_gpu
 from titanlite.models import model_args
-from titanlite.models.args import LLAMA3_FLAVORS
+from titanlite.models.llama3.args import LLAMA3_FLAVORS
 from titanlite.planner import GIB, Layout, estimate, explain, plan
 
 # A CPU as the planner sees it: only its memory matters for the memory check.
@@ -92,7 +92,7 @@ def test_tensor_parallel_width_tradeoff():
 
 
 def replace_dims(dim, layers, heads, kv_heads):
-    from titanlite.models.args import ModelArgs
+    from titanlite.models.common.args import ModelArgs
 
     return ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, vocab_size=50304, multiple_of=256,
                      ffn_dim_multiplier=None)
@@ -100,7 +100,7 @@ def replace_dims(dim, layers, heads, kv_heads):
 
 def test_moe_is_priced_by_active_flops_and_expert_parallel_trades_gathers_for_all_to_all():
     from titanlite.hardware import find_gpu
-    from titanlite.models.args import MOE_FLAVORS
+    from titanlite.models.moe.args import MOE_FLAVORS
     from titanlite.planner import GIB, Layout, candidate_layouts, estimate
 
     model, gpu = MOE_FLAVORS["qwen3_30b_a3b"], find_gpu("H100")

@@ -84,7 +84,7 @@ def test_debug_seed_none_draws_one_shared_seed_and_a_seed_repeats_a_run(corpus_j
 
 @pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_full_bf16_and_loader_workers_train(corpus_formats, tmp_path):
-    from titanlite.checkpoint_reader import read_tensor_metadata
+    from titanlite.checkpoint.reader import read_tensor_metadata
 
     run(1, tiny_args(corpus_formats["shards"], tmp_path / "bf16", "--training.steps", "2", "--training.dtype", "bfloat16",
                      "--checkpoint.enable"))

@@ -8,7 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 
 
 def check_writable_folder(folder: str, key: str = "job.dump_folder") -> None:

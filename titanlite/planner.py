@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from titanlite.hardware import GPU
-from titanlite.models.args import ModelArgs, MoEArgs
+from titanlite.models.common.args import ModelArgs, MoEArgs
 
 GIB = 2**30
 # Fitted to the published runs (scripts/plan.py --fit; docs/planner.md), one by one below.
@@ -384,7 +384,7 @@ def published_runs(path) -> list[PublishedRun]:
     import json
 
     from titanlite.hardware import find_gpu
-    from titanlite.models.args import MOE_FLAVORS
+    from titanlite.models.moe.args import MOE_FLAVORS
 
     runs = []
     for line in open(path):

@@ -1,6 +1,6 @@
 """Check a config before any process starts: `python -m titanlite.preflight --job.config_file F ...`
 (run_train.sh runs it with WORLD_SIZE set). Bad input ends here, as one line and exit code 2:
-the schema (config.py), the layout for WORLD_SIZE ranks, the model's shapes against it, the batch
+the schema (titanlite/config/), the layout for WORLD_SIZE ranks, the model's shapes against it, the batch
 sizes, the pipeline split, and the run's files: the tokenizer (read), the dataset files (their
 format sniffed), the dump folder (written) and the checkpoint to load (its metadata and shard files).
 Every rank runs the same checks before it joins the process group (train.main), so a bad input
@@ -13,13 +13,13 @@ import importlib.util
 import os
 import sys
 
-from titanlite.checkpoint_paths import checkpoint_folder, checkpoint_to_load
-from titanlite.config import ConfigError, JobConfig, parse_args
+from titanlite.checkpoint.paths import checkpoint_folder, checkpoint_to_load
+from titanlite.config import JobConfig, parse_args
+from titanlite.errors import ConfigError
 from titanlite.data.sources import split_source
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.dump_folder import check_writable_folder
 from titanlite.models import FAMILIES, model_args
-from titanlite.models.args import check_hf_exportable
 from titanlite.parallel.dims import ParallelDims
 
 
@@ -30,7 +30,7 @@ def check(config: JobConfig, world_size: int) -> None:
     args = model_args(config.model.name, config.model.flavor, 0, t.seq_len, config.model.n_layers, config.model)
     family.check(args, dims)
     if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
-        check_hf_exportable(args)
+        family.check_hf_export(args)
     dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
     if dims.pp_enabled:
         from titanlite.parallel.pipeline import plan_stages
@@ -49,7 +49,7 @@ def check(config: JobConfig, world_size: int) -> None:
         split_source(config, "validation")
     found = checkpoint_to_load(config)
     if found is not None:
-        from titanlite.checkpoint_reader import check_checkpoint_files  # imports torch (DCP's metadata classes)
+        from titanlite.checkpoint.reader import check_checkpoint_files  # imports torch (DCP's metadata classes
 
         check_checkpoint_files(found[0], checkpoint_folder(config), own=found[1])
 

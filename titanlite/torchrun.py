@@ -85,7 +85,8 @@ def torch_log_handlers() -> list[logging.Handler]:
 def color_console(train_args: list[str]) -> None:
     """Ranks print plain lines into torchrun's pipes and log files; on a terminal, colour them here,
     as they reach it (metrics.disable_color_printing and NO_COLOR say no)."""
-    from titanlite.config import ConfigError, parse_args
+    from titanlite.config import parse_args
+    from titanlite.errors import ConfigError
     from titanlite.metrics import ColorizedStream, use_color
 
     try:

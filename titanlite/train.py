@@ -26,17 +26,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titanlite.checkpoint import Checkpointer
-from titanlite.config import ConfigError, JobConfig, parse_args
+from titanlite.checkpoint.checkpointer import Checkpointer
+from titanlite.config import JobConfig, parse_args
+from titanlite.errors import ConfigError
 from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
-from titanlite.models.args import check_hf_exportable
-from titanlite.models.attention import document_layout
-from titanlite.models.moe import global_balance, set_batch, update_expert_bias
+from titanlite.models.common.attention import document_layout
+from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
@@ -182,7 +182,7 @@ class Trainer:
         family = FAMILIES[config.model.name]
         family.check(args, self.dims)
         if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
-            check_hf_exportable(args)  # before training, not when rank 0 converts the last checkpoint
+            family.check_hf_export(args)  # before training, not when rank 0 converts the last checkpoint
         self.plan = family.plan
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ConfigError(

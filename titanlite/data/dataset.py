@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 from titanlite.data.corpus import shakespeare_files
 from titanlite.data.sources import Source, resolve_source, split_source
 from titanlite.data.tokenizer import Tokenizer

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN = {"shakespeare-bpe8k": ASSETS / "shakespeare_bpe8k" / "tokenizer.json"}

@@ -1,19 +1,17 @@
 """Model registry: [model] name -> ModelFamily; + flavor -> ModelArgs -> nn.Module.
 
-Torch-free: config.py and run_train.sh's checks read the families' flavors and shape checks.
+One folder per family (llama3/, moe/), each registering a ModelFamily; layers they share sit in
+common/. Torch-free: the config and run_train.sh's checks read the families' flavors and checks.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from titanlite.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs, MoEArgs, check_llama3, check_moe
-from titanlite.models.family import ModelFamily
+from titanlite.models import llama3, moe
+from titanlite.models.common.args import ModelArgs, MoEArgs
 
-FAMILIES = {
-    "llama3": ModelFamily("llama3", LLAMA3_FLAVORS, check_llama3, "titanlite.models.llama_parallel"),
-    "moe": ModelFamily("moe", MOE_FLAVORS, check_moe, "titanlite.models.moe_parallel"),
-}
+FAMILIES = {family.name: family for family in (llama3.FAMILY, moe.FAMILY)}
 
 
 def model_args(name: str, flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0, model_config=None) -> ModelArgs:

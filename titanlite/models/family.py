@@ -1,8 +1,8 @@
-"""A model family: what generic code takes from a model, so that titanlite/parallel/ names none of
-its modules (in the spirit of TorchTitan's TrainSpec, smaller).
+"""A model family: what generic code takes from a model, so that titanlite/parallel/ and
+titanlite/config/ name none of its modules (in the spirit of TorchTitan's TrainSpec, smaller).
 
-`ModelFamily` is torch-free (config.py and run_train.sh's checks read the flavors and the shape
-checks); its `plan` names the module whose `PLAN` (a `ParallelPlan`) holds the torch side.
+`ModelFamily` is torch-free (the config and run_train.sh's checks read the flavors and the
+family's checks); its `plan` names the module whose `PLAN` (a `ParallelPlan`) holds the torch side.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from titanlite.models.args import ModelArgs
+from titanlite.models.common.args import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,9 @@ class ModelFamily:
     name: str
     flavors: dict[str, ModelArgs]
     check: Callable[[ModelArgs, object], None]  # the shapes against the layout (ParallelDims); ConfigError
+    check_config: Callable[[object], None]  # the config's [model] section: keys of the family's own; ConfigError
     plan_module: str  # where PLAN lives
+    check_hf_export: Callable[[ModelArgs], None] = lambda args: None  # a Hugging Face architecture to export to
 
     @property
     def plan(self) -> "ParallelPlan":

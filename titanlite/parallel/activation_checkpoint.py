@@ -27,7 +27,7 @@ SAVED_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.higher_order.flex_attention,  # block_causal on CUDA (models/attention.py), in compiled blocks
+    torch.ops.higher_order.flex_attention,  # block_causal on CUDA (models/common/attention.py), in compiled blocks
     document_ring._opoverload,  # block_causal under context parallel: its output, not its score tiles
 }
 

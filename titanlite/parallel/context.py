@@ -12,7 +12,7 @@ backward) through the same ring (torch's `_templated_ring_attention`). These are
 APIs (looked up where 2.11-2.14 keep them); the parity tests pin their behaviour.
 
 Document-masked (block_causal) attention: torch's ring takes no mask, so `apply_cp` swaps each
-block's core attention (models/attention.py's CoreAttention, which every family's attention calls)
+block's core attention (models/common/attention.py's CoreAttention, which every family's attention calls)
 for `RingAttention`, which runs titanlite's document ring (parallel/document_ring.py).
 """
 
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import context_parallel
 
-from titanlite.models.attention import CoreAttention, DocumentMask
+from titanlite.models.common.attention import CoreAttention, DocumentMask
 from titanlite.parallel.document_ring import document_ring
 
 def _cp_implementation_module():

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
 DERIVED = {

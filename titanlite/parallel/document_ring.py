@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from titanlite.models.attention import DocumentMask
+from titanlite.models.common.attention import DocumentMask
 
 SCORE_TILE_ELEMENTS = 2**26  # fp32 scores held at once: 256 MiB
 

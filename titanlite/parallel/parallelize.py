@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titanlite.config import ConfigError, JobConfig, float8_recipe
+from titanlite.config import JobConfig, float8_recipe
+from titanlite.errors import ConfigError
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context import apply_cp, share_sequence_counts

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 
 V_SCHEDULES = ("zbvzerobubble", "dualpipev")
 BACKWARD_ACTIONS = ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD")

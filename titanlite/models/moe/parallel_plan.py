@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from titanlite import hf
-from titanlite.models import llama_parallel
+from titanlite.checkpoint import hf
+from titanlite.models.llama3 import parallel_plan as llama3_plan
 from titanlite.models.family import ParallelPlan
-from titanlite.models.moe import MoE, MoETransformer, experts, moe_layers
+from titanlite.models.common.moe import MoE, experts, moe_layers
+from titanlite.models.moe.model import MoETransformer
 
 
 def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
@@ -35,19 +36,19 @@ def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | N
     """Llama's plan for a dense block; for a MoE block Llama's attention half, and the MoE layer
     takes this rank's sequence shard as a plain tensor (check_moe requires sequence parallel)."""
     if not isinstance(block.feed_forward, MoE):
-        return llama_parallel.PLAN.block_tp_plan(block, sequence_parallel, float8_recipe)
-    gathered = llama_parallel.float8_gathered_inputs(block, float8_recipe)
-    return llama_parallel.attention_plan(sequence_parallel, gathered, llama_parallel.fused_attention(block)) | {
+        return llama3_plan.PLAN.block_tp_plan(block, sequence_parallel, float8_recipe)
+    gathered = llama3_plan.float8_gathered_inputs(block, float8_recipe)
+    return llama3_plan.attention_plan(sequence_parallel, gathered, llama3_plan.fused_attention(block)) | {
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
     }
 
 
 PLAN = ParallelPlan(
     build=MoETransformer,
-    head=llama_parallel.PLAN.head,
-    blocks=llama_parallel.PLAN.blocks,
-    tail=llama_parallel.PLAN.tail,
-    tp_plan=llama_parallel.PLAN.tp_plan,
+    head=llama3_plan.PLAN.head,
+    blocks=llama3_plan.PLAN.blocks,
+    tail=llama3_plan.PLAN.tail,
+    tp_plan=llama3_plan.PLAN.tp_plan,
     block_tp_plan=block_plan,
     compile_units=compile_units,
     hf=hf,  # Qwen3-MoE shapes, as Qwen3MoeForCausalLM

@@ -11,6 +11,7 @@ applies it. The kernels:
   flex  FlexAttention (CUDA): the block mask built once per forward, the kernel compiled
 
 Context parallel swaps each `CoreAttention` for a ring over the cp ranks (parallel/context.py).
+`Attention` is the grouped-query self-attention block around it (q/k/v, optional q/k head norms, RoPE).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titanlite.models.common.args import ModelArgs
+from titanlite.models.common.linear import FusedLinear, plain_linears
+from titanlite.models.common.rope import apply_rope
+
 
 def document_layout(
     tokens: torch.Tensor, bos_id: int, reset_positions: bool, eos_id: int | None = None
@@ -105,3 +111,32 @@ def compiled(name: str):
 
         _COMPILED[name] = torch.compile(getattr(flex_attention, name), dynamic=False)
     return _COMPILED[name]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.qkv = FusedLinear() if args.fused_projections else None
+        # Qwen3: each query and key head is RMS-normalized before RoPE.
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.inner_attention = CoreAttention()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        if self.qkv is not None and plain_linears(self.wq, self.wk, self.wv):
+            q, k, v = self.qkv(x, self.wq.weight, self.wk.weight, self.wv.weight)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # -1 heads: under tensor parallel each rank holds a slice of the heads.
+        q, k, v = (t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from titanlite.config import ConfigError
-from titanlite.models.args import ModelArgs, MoEArgs, check_hf_exportable
+from titanlite.errors import ConfigError
+from titanlite.models.common.args import ModelArgs, MoEArgs
+from titanlite.models.moe.args import check_hf_exportable
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers writes by default (5 GB)
 
@@ -65,7 +66,7 @@ def rotary_heads(name: str, n_heads: int, n_kv_heads: int) -> int | None:
 def to_hf_tensors(name: str, w: torch.Tensor, n_heads: int, n_kv_heads: int) -> list[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor in its layout) of one titanlite tensor: one per expert for routed
     experts, none for a zero expert bias (Qwen3-MoE has none)."""
-    from titanlite.config import ConfigError
+    from titanlite.errors import ConfigError
 
     if name in TOP_NAMES:
         return [(TOP_NAMES[name], w)]
@@ -186,7 +187,7 @@ def save_hf(read, sizes: dict[str, int], args: ModelArgs, folder: Path, dtype: t
 
 def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
     """ConfigError naming the first HF config.json value that differs from the model being trained."""
-    from titanlite.config import ConfigError
+    from titanlite.errors import ConfigError
 
     expected = {
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from titanlite.checkpoint_paths import complete_steps, is_hf_checkpoint
-from titanlite.config import ConfigError
+from titanlite.checkpoint.paths import complete_steps, is_hf_checkpoint
+from titanlite.errors import ConfigError
 
 # The shard files DCP's FileSystemWriter writes: `__{rank}_{file index}.distcp`.
 SHARD_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")  # matched whole (fullmatch)
@@ -322,7 +322,7 @@ def check_checkpoint_files(path: Path, run_folder: Path, own: bool) -> None:
     if not path.exists():
         return  # moved aside by a crash (step-N.replaced): rank 0 puts it back at start, and loading checks it
     if is_hf_checkpoint(path):
-        from titanlite.hf import check_hf_files
+        from titanlite.checkpoint.hf import check_hf_files
 
         check_hf_files(path)
         return

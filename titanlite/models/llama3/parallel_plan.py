@@ -15,10 +15,10 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from titanlite import hf
+from titanlite.checkpoint import hf
 from titanlite.float8 import Float8Linear, Float8PrepareModuleInput
 from titanlite.models.family import ParallelPlan
-from titanlite.models.llama import Transformer
+from titanlite.models.llama3.model import Transformer
 from titanlite.parallel.tensor import FusedColwiseParallel
 
 # The projections that read each sub-module's gathered input.

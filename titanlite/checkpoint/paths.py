@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # A save (tmp), a removal (deleting) or a replacement (replaced) that a crash may have cut short.

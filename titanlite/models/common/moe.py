@@ -1,5 +1,5 @@
-"""The mixture-of-experts family: Llama's transformer with the dense SwiGLU replaced, in blocks from
-`n_dense_layers` on, by a token-choice top-k mixture of SwiGLU experts.
+"""The mixture-of-experts feed-forward: a token-choice top-k mixture of SwiGLU experts, which
+replaces the dense SwiGLU in a family's MoE blocks (models/moe/, the MoE family).
 
 A MoE layer routes each token to `top_k` of `num_experts` routed experts (softmax or sigmoid scores;
 optionally renormalized and scaled), runs every expert on its tokens (one grouped weight per
@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.args import MoEArgs
-from titanlite.models.llama import FeedForward, Transformer, TransformerBlock
+from titanlite.models.common.feed_forward import FeedForward
+from titanlite.models.common.args import MoEArgs
 
 
 def local_shard(weight: torch.Tensor) -> torch.Tensor:
@@ -184,13 +184,6 @@ class MoE(nn.Module):
         if outside_backward():
             self.aux_loss_sum += aux.detach()
         return aux
-
-
-class MoETransformer(Transformer):
-    """Llama's transformer with MoE feed-forwards from block `n_dense_layers` on."""
-
-    def make_block(self, layer_id: int, args: MoEArgs) -> nn.Module:
-        return TransformerBlock(layer_id, args, MoE(args) if args.is_moe(layer_id) else None)
 
 
 # ---- load balancing (called by the trainer around the optimizer step) ----

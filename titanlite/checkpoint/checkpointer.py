@@ -11,7 +11,7 @@ name (so any layout can load it):
 `checkpoint.last_save_in_hf` the last one is a Hugging Face folder instead (safetensors +
 config.json, model only), and `initial_load_in_hf` starts from one.
 Only tensors are stored, and loading refuses anything else: DCP would unpickle non-tensor items.
-DCP's `.metadata` file is itself a pickle; checkpoint_reader.py reads it without trusting it (an
+DCP's `.metadata` file is itself a pickle; reader.py reads it without trusting it (an
 allow-list unpickler; shard files inside the folder, whole, and no larger than declared), and a
 damaged checkpoint stops the run with a line naming the newest earlier whole step.
 
@@ -39,19 +39,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titanlite.checkpoint_reader import (
-    DamagedCheckpoint,
-    damaged_checkpoint_line,
-    load_checked,
-    read_tensor_metadata,
-)
-from titanlite.checkpoint_paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
-from titanlite.config import ConfigError, JobConfig
+from titanlite.checkpoint.reader import DamagedCheckpoint, damaged_checkpoint_line, load_checked, read_tensor_metadata
+from titanlite.checkpoint.paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 from titanlite.float8 import plain_tensor
-from titanlite import hf as llama_hf
-from titanlite.hf import SHARD_BYTES
+from titanlite.checkpoint import hf as llama_hf
+from titanlite.checkpoint.hf import SHARD_BYTES
 from titanlite.metrics import log_line
-from titanlite.models.llama import canonical_fqn
+from titanlite.models.common.fqn import canonical_fqn
 from titanlite.parallel.parallelize import DTYPES, assign_full_value
 
 PARTS = ("model", "optimizer", "lr_scheduler", "train_state", "dataloader")

@@ -1,0 +1,79 @@
+"""titanlite's modules import each other without a circle: read from the package's own source (every
+import statement, also those inside functions), so a circle cannot hide behind a lazy import."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each titanlite module -> the titanlite modules its import statements load. Importing a.b.c
+    also runs a and a.b (their __init__), so those count as imported too."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+    def loaded(name: str) -> set[str]:
+        parts = name.split(".")
+        return {".".join(parts[:n]) for n in range(1, len(parts) + 1)} & modules.keys()
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    targets |= loaded(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package this module sits in
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets |= loaded(base)
+                for alias in node.names:  # `from package import module` loads the module
+                    targets |= loaded(f"{base}.{alias.name}") - {base}
+        graph[name] = targets - {name} - set(loaded(name))  # a module's own parents run before it
+    return graph
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of imports (the modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (circle := visit(nxt)):
+                return circle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (circle := visit(node)):
+            return circle
+    return None
+
+
+def test_the_circle_finder_finds_a_circle_and_a_parent_package_edge():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    graph = import_graph()
+    # preflight's `from titanlite.checkpoint.paths import ...` runs titanlite/checkpoint/__init__.py first.
+    assert {"titanlite.checkpoint", "titanlite.checkpoint.paths"} <= graph["titanlite.preflight"]
+
+
+def test_titanlite_has_no_import_circle():
+    graph = import_graph()
+    assert len(graph) > 30 and sum(map(len, graph.values())) > 50  # the graph was read at all
+    circle = find_circle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle)

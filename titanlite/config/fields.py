@@ -1,0 +1,35 @@
+"""How a config field is declared: its default, help text and marks (the choices titanlite takes,
+TorchTitan keys it does not implement, its own extensions). --help and the readers use the marks."""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+def opt(
+    default,
+    help: str,
+    choices: tuple | None = None,
+    *,
+    not_implemented: str | None = None,
+    unsupported: dict | None = None,
+    extension: bool = False,
+):
+    """A config field with its help text.
+
+    choices: the allowed values (of each item, for a list); unsupported: those of them titanlite does
+    not implement, each with what to use instead; not_implemented: the key is accepted only at its
+    default, and this says what to use instead; extension: a titanlite key that TorchTitan lacks."""
+    meta = dict(help=help, choices=choices, not_implemented=not_implemented, unsupported=unsupported or {}, extension=extension)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls):
+    return field(default_factory=cls)
+
+
+
+NO_MOE = "titanlite's MoE family does not have it yet (its routed experts run in high precision, without DualPipeV overlap)"
+NO_TORCHFT = "titanlite has no TorchFT integration; restarts resume from checkpoints (MAX_RESTARTS)"
+NO_MX = "MX formats are not implemented; use model.converters = [\"float8\"]"

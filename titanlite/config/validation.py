@@ -1,0 +1,151 @@
+"""Cross-key checks of a config that need no torch and no world size (layout checks live in
+ParallelDims; a model family's own checks in its folder, called through the registry)."""
+
+from __future__ import annotations
+
+from titanlite.config.keys import LEAVES, default_value, get
+from titanlite.config.schema import FLOAT8_CONVERTERS, JobConfig, float8_recipe
+from titanlite.errors import ConfigError
+from titanlite.models import FAMILIES
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_not_implemented(config: JobConfig) -> None:
+    """A TorchTitan key titanlite does not implement is accepted only at its default."""
+    for key, (f, _) in LEAVES.items():
+        instead = f.metadata["not_implemented"]
+        value, default = get(config, key), default_value(f)
+        if instead and value != default and not (value in (None, "") and default in (None, "")):
+            raise ConfigError(
+                f"{key}={get(config, key)!r} is not implemented in titanlite (a TorchTitan key, accepted only at its "
+                f"default {default_value(f)!r}); {instead}"
+            )
+
+
+def validate(config: JobConfig) -> None:
+    """Checks that need no torch and no world size; layout checks live in ParallelDims."""
+    check_not_implemented(config)
+    flavors = FAMILIES[config.model.name].flavors
+    owners = [name for name, family in FAMILIES.items() if config.model.flavor in family.flavors]
+    _require(
+        config.model.flavor in flavors,
+        f"model.flavor='{config.model.flavor}' is not a flavor of model.name='{config.model.name}'"
+        + (f" (it is a flavor of model.name='{owners[0]}')" if owners else "")
+        + f"; choose one of: {', '.join(flavors)}",
+    )
+    mask_type = config.model.attn_mask_type or flavors[config.model.flavor].attn_mask_type
+    _require(
+        not config.model.reset_position_ids or mask_type == "block_causal",
+        f"model.reset_position_ids=true restarts RoPE positions at each document, but attention is {mask_type} over the "
+        "whole window; set model.attn_mask_type='block_causal', or reset_position_ids=false",
+    )
+    FAMILIES[config.model.name].check_config(config.model)
+    t, m, p, v, c = config.training, config.metrics, config.parallelism, config.validation, config.checkpoint
+    for name, value in [
+        ("training.local_batch_size", t.local_batch_size),
+        ("training.seq_len", t.seq_len),
+        ("training.steps", t.steps),
+        ("metrics.log_freq", m.log_freq),
+        ("validation.freq", v.freq),
+        ("validation.local_batch_size", v.local_batch_size),
+        ("validation.seq_len", v.seq_len),
+        ("training.gc_freq", t.gc_freq),
+        ("checkpoint.interval", c.interval),
+        ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
+        ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree),
+        ("parallelism.context_parallel_degree", p.context_parallel_degree),
+        ("profiling.profiler_active", config.profiling.profiler_active),
+    ]:
+        _require(value >= 1, f"{name}={value} must be >= 1")
+    _require(v.steps == -1 or v.steps >= 1, f"validation.steps={v.steps} must be >= 1, or -1 for the whole validation set")
+    _require(
+        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        f"parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree} must be -1 (the ranks left over) or >= 1",
+    )
+    _require(
+        t.global_batch_size == -1 or t.global_batch_size >= t.local_batch_size,
+        f"training.global_batch_size={t.global_batch_size} must be -1 or >= training.local_batch_size={t.local_batch_size}",
+    )
+    _require(config.optimizer.lr > 0, f"optimizer.lr={config.optimizer.lr} must be > 0")
+    s = config.lr_scheduler
+    _require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0")
+    _require(s.total_steps is None or s.total_steps >= 1, f"lr_scheduler.total_steps={s.total_steps} must be >= 1 (or none)")
+    ratio = s.decay_ratio
+    _require(ratio is None or 0.0 <= ratio <= 1.0, f"lr_scheduler.decay_ratio={ratio} must be between 0 and 1 (or none)")
+    _require(0.0 <= s.min_lr_factor <= 1.0, f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be between 0 and 1")
+    mb = p.pipeline_parallel_microbatch_size
+    _require(
+        mb >= 1 and t.local_batch_size % mb == 0,
+        f"parallelism.pipeline_parallel_microbatch_size={mb} must be >= 1 and divide training.local_batch_size={t.local_batch_size}",
+    )
+    for name in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
+        _require(getattr(p, name) >= 0, f"parallelism.{name}={getattr(p, name)} must be >= 0")
+    lps = p.pipeline_parallel_layers_per_stage
+    _require(lps is None or lps >= 1, f"parallelism.pipeline_parallel_layers_per_stage={lps} must be >= 1 (or none)")
+    _require(
+        not (p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1 and not config.compile.enable),
+        "parallelism.enable_async_tensor_parallel=true needs compile.enable=true (torch pipelines TP's matmuls in "
+        "compiled graphs); turn compile on or async TP off",
+    )
+    _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
+    _require(config.model.n_layers >= 0, f"model.n_layers={config.model.n_layers} must be >= 0 (0 = the flavor's)")
+    _require(m.gpu_hour_cost >= 0, f"metrics.gpu_hour_cost={m.gpu_hour_cost} must be >= 0 (dollars; 0 = off)")
+    converters = config.model.converters
+    _require(
+        len(set(converters)) == len(converters) and len(set(FLOAT8_CONVERTERS) & set(converters)) <= 1,
+        f"model.converters={converters} names a converter twice ('float8' is 'quantize.linear.float8'); list each once",
+    )
+    f8 = config.float8
+    if f8 is not None:
+        _require(
+            not (f8.enable_fsdp_float8_all_gather and float8_recipe(f8) != "tensorwise"),
+            f"quantize.linear.float8.enable_fsdp_float8_all_gather needs recipe_name 'tensorwise', not "
+            f"'{f8.recipe_name}'; turn one of them off",
+        )
+        _require(
+            not (f8.enable_fsdp_float8_all_gather and p.tensor_parallel_degree > 1
+                 and not f8.precompute_float8_dynamic_scale_for_fsdp),
+            "quantize.linear.float8.enable_fsdp_float8_all_gather with tensor_parallel_degree > 1 needs "
+            "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp=true (the scale spans the TP shards too)",
+        )
+    _require(
+        not (c.initial_load_in_hf and not c.initial_load_model_only),
+        "checkpoint.initial_load_in_hf=true loads weights only; set checkpoint.initial_load_model_only=true",
+    )
+    _require(
+        not (c.last_save_in_hf and not c.last_save_model_only),
+        "checkpoint.last_save_in_hf=true saves weights only; set checkpoint.last_save_model_only=true",
+    )
+    _require(t.max_skipped_steps >= 0, f"training.max_skipped_steps={t.max_skipped_steps} must be >= 0")
+    _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0")
+    pr = config.profiling
+    _require(
+        pr.profiler_warmup >= 0 and pr.profile_freq >= pr.profiler_warmup + pr.profiler_active,
+        f"profiling.profile_freq={pr.profile_freq} must be >= profiler_warmup + profiler_active "
+        f"({pr.profiler_warmup} + {pr.profiler_active})",
+    )
+    for name in ("init_timeout_seconds", "train_timeout_seconds", "checkpoint_timeout_seconds"):
+        value = getattr(config.comm, name)
+        _require(value >= 1, f"comm.{name}={value} must be >= 1")
+    _require(config.comm.trace_buf_size >= 0, f"comm.trace_buf_size={config.comm.trace_buf_size} must be >= 0")
+    _require(
+        not (t.data_split == "sequences" and t.dataloader.num_workers > 1),
+        f"training.dataloader.num_workers={t.dataloader.num_workers} with training.data_split='sequences': workers "
+        "would each read a part of the one stream every rank reads in full; use num_workers <= 1 or data_split='documents'",
+    )
+    for key, loader in (("training.dataloader", t.dataloader), ("validation.dataloader", v.dataloader)):
+        _require(loader.num_workers >= 0, f"{key}.num_workers={loader.num_workers} must be >= 0")
+        _require(
+            loader.num_workers > 0 or (loader.prefetch_factor is None and not loader.persistent_workers),
+            f"{key}.prefetch_factor and persistent_workers need {key}.num_workers > 0",
+        )
+    sac = config.activation_checkpoint.selective_ac_option
+    _require(
+        sac == "op" or (sac.isdigit() and int(sac) >= 1),
+        f"activation_checkpoint.selective_ac_option='{sac}' must be 'op' or a positive integer",
+    )

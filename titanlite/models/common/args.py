@@ -1,0 +1,129 @@
+"""Transformer shapes the families share: the dense decoder (ModelArgs) and its mixture-of-experts
+form (MoEArgs), with their parameter and FLOP counts (no torch import: run_train.sh checks layouts
+against them before launching). Each family's flavors and checks sit in its own folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from titanlite.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256  # 0 = take it from the tokenizer
+    multiple_of: int = 1024  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = 1.3
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = True  # Llama 3.1 long-context frequency scaling
+    max_seq_len: int = 131072
+    depth_init: bool = True  # scale output projections' init std by depth
+    head_dim_override: int = 0  # 0: dim / n_heads (Qwen3's heads are wider than that)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    # TorchTitan's names. block_causal: attention within each packed document (common/attention.py);
+    # attn_type: its kernel, flex (CUDA; SDPA with a boolean mask elsewhere) or sdpa (varlen,
+    # TorchTitan's other one, runs on flex here). Causal attention runs SDPA's causal kernel.
+    attn_mask_type: str = "causal"
+    attn_type: str = "flex"
+    # q/k/v in one matmul, and SwiGLU's w1/w3 in one (the parameters stay separate; common/linear.py).
+    fused_projections: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """wq, wk, wv, wo, the attention norm (and the q/k head norms)."""
+        q_dim = self.n_heads * self.head_dim
+        return 2 * self.dim * q_dim + 2 * self.dim * self.kv_dim + self.dim + (2 * self.head_dim if self.qk_norm else 0)
+
+    def feed_forward_params(self, layer: int, active: bool = False) -> int:
+        """The FFN norm and SwiGLU (w1, w2, w3) of one block."""
+        return self.dim + 3 * self.dim * self.ffn_hidden_dim
+
+    @property
+    def block_params(self) -> int:
+        """One TransformerBlock (the last one: a MoE block where blocks differ)."""
+        return self.attention_params + self.feed_forward_params(self.n_layers - 1)
+
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """All weights, or with `active` those one token uses (the routed experts it visits)."""
+        embedding = 0 if exclude_embedding else self.vocab_size * self.dim
+        blocks = sum(self.attention_params + self.feed_forward_params(i, active) for i in range(self.n_layers))
+        return embedding + blocks + self.dim + self.dim * self.vocab_size  # + norm, output
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per non-embedding weight it uses (a MoE token: its experts'
+        only), plus attention scores and values.
+
+        12 * layers * heads * head_dim * seq_len counts QK^T and AV (2 matmuls x 2 FLOPs x 3 for
+        forward + backward) without halving for the causal mask, as PaLM, nanoGPT and TorchTitan do.
+        """
+        weights = self.num_params(exclude_embedding=True, active=True)
+        return 6 * weights + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+    def with_vocab(self, tokenizer_vocab: int) -> "ModelArgs":
+        """Flavors with vocab_size 0 take the tokenizer's, padded to a multiple of 64 so the embedding
+        and output split evenly under tensor parallel (and matmuls align)."""
+        return self if self.vocab_size else replace(self, vocab_size=-(-tokenizer_vocab // 64) * 64)
+
+
+def check_heads(args: ModelArgs, tp: int) -> None:
+    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+        if value % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree={tp} does not divide the model's {name}={value}; "
+                f"choose a divisor of {value}"
+            )
+
+
+@dataclass(frozen=True)
+class MoEArgs(ModelArgs):
+    """A mixture-of-experts transformer: blocks from `n_dense_layers` on replace the dense SwiGLU by
+    `num_experts` routed SwiGLU experts (hidden `moe_hidden_dim`; each token visits `top_k`) plus
+    `num_shared_experts` that every token visits. Names follow TorchTitan's MoEArgs where it has one."""
+
+    num_experts: int = 8
+    num_shared_experts: int = 0
+    top_k: int = 2
+    moe_hidden_dim: int = 512
+    n_dense_layers: int = 0  # the first blocks keep a dense FFN of ffn_hidden_dim (DeepSeek's first_k_dense)
+    dense_hidden_dim: int = 0  # that FFN's hidden size; 0: from dim, multiple_of, ffn_dim_multiplier
+    score_func: str = "softmax"  # router scores: softmax or sigmoid
+    route_norm: bool = False  # renormalize the top-k scores to sum to 1
+    route_scale: float = 1.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step the expert bias (added to
+    # the scores for choosing, never for weighting) moves by this much towards balance. 0: off.
+    load_balance_coeff: float = 1e-3
+    aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss; 0: off
+    use_grouped_mm: bool = True  # torch._grouped_mm for the experts (False: an exact loop over experts)
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.dense_hidden_dim or super().ffn_hidden_dim
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.n_dense_layers
+
+    def feed_forward_params(self, layer: int, active: bool = False) -> int:
+        if not self.is_moe(layer):
+            return super().feed_forward_params(layer)
+        experts = (self.top_k if active else self.num_experts) + self.num_shared_experts
+        return self.dim + self.dim * self.num_experts + experts * 3 * self.dim * self.moe_hidden_dim  # + router

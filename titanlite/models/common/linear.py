@@ -1,0 +1,43 @@
+"""Several bias-free projections of one input as one matmul, their parameters kept apart."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedLinear(nn.Module):
+    """Bias-free linears that read the same input, as one matmul: `forward(x, *weights)` returns one
+    output per weight. It holds no parameters: each weight stays in its own nn.Linear under its own
+    name, so checkpoints, FSDP units and the Hugging Face conversion see the separate projections.
+    Under tensor parallel it is given each projection's rows of this rank (parallel/tensor.py)."""
+
+    def forward(self, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Without autograd (evaluation) nothing is saved: the plain concatenation (compile traces no
+        # autograd.Function there).
+        linear = _ConcatenatedLinear.apply if torch.is_grad_enabled() else lambda x, *w: F.linear(x, torch.cat(w))
+        return linear(x, *weights).split([w.shape[0] for w in weights], dim=-1)
+
+
+class _ConcatenatedLinear(torch.autograd.Function):
+    """x @ cat(weights)^T. Backward keeps the weights themselves (the parameters, as separate linears
+    would), not their concatenation, and concatenates them again: under FSDP a copy saved for backward
+    would hold every block's gathered weights through the forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        grad_weight = grad.flatten(0, -2).t() @ x.flatten(0, -2)
+        return grad_x, *grad_weight.split([w.shape[0] for w in weights])
+
+
+def plain_linears(*modules: nn.Module) -> bool:
+    """Fused matmuls take plain nn.Linear weights; a converted linear (float8) runs its own matmul."""
+    return all(type(m) is nn.Linear for m in modules)

@@ -1,0 +1,98 @@
+"""The mixture-of-experts family's flavors (published MoE shapes and debug presets) and its checks."""
+
+from __future__ import annotations
+
+from titanlite.errors import ConfigError
+from titanlite.models.common.args import MoEArgs, check_heads
+
+# Published shapes. Qwen3-MoE: GQA with q/k head norms, softmax top-8 of 128 experts renormalized, no
+# shared experts, balanced by an aux loss (coefficient 0.001) and no expert bias (Qwen's config.json;
+# Qwen's loss is global-batch, ours sequence-wise). DeepSeek-MoE 16B: standard multi-head attention, 64 routed
+# experts (top 6) + 2 shared, the first block dense (DeepSeek's config.json; not DeepSeek-V3, whose
+# attention is MLA).
+MOE_FLAVORS = {
+    "debugmoe": MoEArgs(
+        dim=256, n_layers=4, n_heads=16, n_kv_heads=4, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None,
+        num_experts=8, num_shared_experts=1, top_k=2, moe_hidden_dim=256, n_dense_layers=1, route_norm=True,
+        rope_scaling=False, rope_theta=10000.0,
+    ),
+    # DeepSeek-V3's routing on the debug shape: sigmoid scores, renormalized and scaled, no shared expert.
+    "debugmoe_sigmoid": MoEArgs(
+        dim=256, n_layers=4, n_heads=16, n_kv_heads=4, vocab_size=0, multiple_of=256, ffn_dim_multiplier=None,
+        num_experts=8, top_k=2, moe_hidden_dim=256, n_dense_layers=1, score_func="sigmoid", route_norm=True,
+        route_scale=2.5, rope_scaling=False, rope_theta=10000.0,
+    ),
+    # Qwen3-MoE's architecture on the debug shape: what the Hugging Face export and import are tested on.
+    "debugmoe_qwen3": MoEArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=64, qk_norm=True, vocab_size=0, multiple_of=256,
+        ffn_dim_multiplier=None, norm_eps=1e-6, num_experts=8, top_k=2, moe_hidden_dim=128, n_dense_layers=1,
+        route_norm=True, load_balance_coeff=0.0, rope_scaling=False, rope_theta=1000000.0,
+    ),
+    "qwen3_30b_a3b": MoEArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=768,
+        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
+        dense_hidden_dim=6144,  # config.json's intermediate_size (no block is dense)
+    ),
+    "qwen3_235b_a22b": MoEArgs(
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=1536,
+        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
+        dense_hidden_dim=12288,  # config.json's intermediate_size (no block is dense)
+    ),
+    "deepseek_moe_16b": MoEArgs(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, vocab_size=102400, norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=False, num_experts=64, num_shared_experts=2, top_k=6, moe_hidden_dim=1408, n_dense_layers=1,
+        dense_hidden_dim=10944, max_seq_len=4096,
+    ),
+}
+
+
+def check_moe(args: MoEArgs, dims) -> None:
+    if dims.tp > 1 and not dims.sequence_parallel:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={dims.tp} with enable_sequence_parallel=false: a MoE layer under "
+            "tensor parallel routes each tp rank's sequence shard; set parallelism.enable_sequence_parallel=true"
+        )
+    check_heads(args, dims.tp)
+    if args.moe_hidden_dim % (8 * dims.etp):
+        raise ConfigError(
+            f"the experts' hidden size {args.moe_hidden_dim} split over expert_tensor_parallel_degree={dims.etp} is not a "
+            "multiple of 8 (the grouped GEMM's rows must be 16-byte aligned); set parallelism.expert_tensor_parallel_degree=1"
+        )
+    if args.num_experts % dims.ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} does not divide the model's num_experts={args.num_experts}; "
+            f"choose a divisor of {args.num_experts}"
+        )
+    if not 0 < args.top_k <= args.num_experts:
+        raise ConfigError(
+            f"the MoE flavor routes each token to top_k={args.top_k} of num_experts={args.num_experts} experts; "
+            f"choose 1 <= top_k <= {args.num_experts}"
+        )
+    if args.score_func not in ("softmax", "sigmoid"):
+        raise ConfigError(f"MoE score_func='{args.score_func}' is not softmax or sigmoid; choose one of them")
+
+
+def check_hf_exportable(args: MoEArgs) -> None:
+    """ConfigError, before any training, when the model has no Hugging Face architecture to export to:
+    a MoE flavor must have Qwen3-MoE's (and no expert bias, which Qwen3MoeForCausalLM lacks)."""
+    differences = [
+        (not args.qk_norm, "no q/k head norms"), (args.num_shared_experts, "shared experts"),
+        (args.score_func != "softmax", f"{args.score_func} scores"), (args.route_scale != 1.0, "a route scale"),
+        (args.rope_scaling, "Llama 3.1 RoPE scaling"), (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"),
+    ]
+    if found := [what for differs, what in differences if differs]:
+        raise ConfigError(
+            f"this MoE model has {', '.join(found)}, which Qwen3MoeForCausalLM (the Hugging Face architecture "
+            "titanlite exports MoE models as) does not; export a Qwen3-MoE flavor (qwen3_30b_a3b, qwen3_235b_a22b, "
+            "debugmoe_qwen3) trained with model.moe_load_balance_coeff=0"
+        )
+
+
+def check_config(model) -> None:
+    """The [model] keys of this family's own (`model`: the config's Model section)."""
+    for name in ("moe_load_balance_coeff", "moe_aux_loss_coeff"):
+        value = getattr(model, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"model.{name}={value} must be >= 0 (0 = off; none = the flavor's)")
