@@ -37,7 +37,7 @@ def to_hf(args) -> None:
     model_args = replace(flavors[args.flavor], vocab_size=vocab, max_seq_len=args.max_seq_len)
     if (model_args.dim, model_args.n_layers) != (dim, n_layers):
         raise SystemExit(f"--flavor {args.flavor} has dim {model_args.dim} x {model_args.n_layers} layers; the checkpoint has {dim} x {n_layers}")
-    write_hf(args.checkpoint, args.out, model_args, getattr(torch, args.dtype), found=found)
+    write_hf(args.checkpoint, args.out, model_args, getattr(torch, args.dtype), FAMILIES[args.model].plan.hf, found=found)
     print(f"wrote {args.out} (safetensors and config.json)")
 
 

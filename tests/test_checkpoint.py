@@ -249,8 +249,9 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
             assert torch.equal(back[name], value), name
     # Large models go out in shards with an index, as transformers writes them.
     from titanlite.checkpoint.checkpointer import write_hf
+    from titanlite.models.llama3 import hf as llama3_hf
 
-    write_hf(step, tmp_path / "sharded", ours.args, torch.float32, shard_bytes=2**20)
+    write_hf(step, tmp_path / "sharded", ours.args, torch.float32, llama3_hf, shard_bytes=2**20)
     assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 3
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     sharded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "sharded"), torch_dtype=torch.float32)
@@ -375,7 +376,8 @@ def test_qwen3_moe_weights_round_trip_through_hugging_face_names(tmp_path):
     written in Hugging Face's names and layout (one tensor per expert, q/k rows as halves) in shards,
     reads back equal; a nonzero expert bias is refused, as Qwen3-MoE has none."""
     from titanlite.config import ConfigError
-    from titanlite.checkpoint.hf import load_hf, save_hf
+    from titanlite.checkpoint.hf import load_hf
+    from titanlite.models.moe.hf import save_hf
     from titanlite.models import model_args
     from titanlite.models.moe.model import MoETransformer
 
@@ -392,6 +394,20 @@ def test_qwen3_moe_weights_round_trip_through_hugging_face_names(tmp_path):
     biased = next(name for name in state if name.endswith("expert_bias"))
     with pytest.raises(ConfigError, match="expert_bias is not zero"):
         save_hf(lambda names: {n: state[n] + (n == biased) for n in names}, sizes, args, tmp_path / "biased", torch.float32)
+
+
+def test_hugging_face_import_picks_the_family_by_model_type(tmp_path):
+    """load_hf reads a folder through the mapping of the family config.json's model_type names, and
+    refuses, in one line, an architecture no family maps."""
+    from titanlite.checkpoint.hf import load_hf
+    from titanlite.config import ConfigError
+    from titanlite.models import FAMILIES, family_of_hf_model
+
+    assert family_of_hf_model("llama", tmp_path) is FAMILIES["llama3"]
+    assert family_of_hf_model("qwen3_moe", tmp_path) is FAMILIES["moe"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_attention_heads": 4}))
+    with pytest.raises(ConfigError, match="model_type='gpt2', which no titanlite family maps; use a model of one of: llama, qwen3_moe"):
+        load_hf(tmp_path)
 
 
 @pytest.mark.full  # by default the round trip above checks the MoE mapping without transformers

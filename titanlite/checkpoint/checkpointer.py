@@ -44,8 +44,7 @@ from titanlite.checkpoint.paths import UNFINISHED_DIR, checkpoint_folder, checkp
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.float8 import plain_tensor
-from titanlite.checkpoint import hf as llama_hf
-from titanlite.checkpoint.hf import SHARD_BYTES
+from titanlite.checkpoint.hf import SHARD_BYTES, read_hf_config
 from titanlite.metrics import log_line
 from titanlite.models.common.fqn import canonical_fqn
 from titanlite.parallel.parallelize import DTYPES, assign_full_value
@@ -75,10 +74,10 @@ def read_model_weights(checkpoint: Path, names=None, found=None) -> dict:
 
 
 def write_hf(
-    checkpoint: Path, out: Path, args, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES, adapter=llama_hf, found=None
+    checkpoint: Path, out: Path, args, dtype: torch.dtype, adapter, shard_bytes: int = SHARD_BYTES, found=None
 ) -> None:
     """A DCP checkpoint's model as a Hugging Face folder, one safetensors shard in memory at a time,
-    through the family's Hugging Face `adapter`. `found`: its read_tensor_metadata, when read already."""
+    through the family's Hugging Face mapping `adapter` (its plan's `hf`). `found`: its read_tensor_metadata, when read already."""
     found = found or read_tensor_metadata(checkpoint, {"model"})
     sizes = {k.removeprefix("model."): m.size.numel() for k, m in found[1].items() if k.startswith("model.")}
     adapter.save_hf(lambda names: read_model_weights(checkpoint, set(names), found), sizes, args, out, dtype, shard_bytes)
@@ -319,7 +318,7 @@ class Checkpointer:
         """Model weights from Hugging Face safetensors: every rank reads them one tensor at a time and
         keeps its shard of the parameters it holds."""
         t = self.trainer
-        t.plan.hf.check_hf_shapes(t.plan.hf.read_hf_config(folder)[0], t.model_parts[0].args, folder)
+        t.plan.hf.check_hf_shapes(read_hf_config(folder)[0], t.model_parts[0].args, folder)
         params = {canonical_fqn(name): p for part in t.model_parts for name, p in part.named_parameters()}
         missing = set(params)
         for name, tensor in t.plan.hf.iter_hf(folder):

@@ -8,10 +8,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from titanlite.errors import ConfigError
 from titanlite.models import llama3, moe
 from titanlite.models.common.args import ModelArgs, MoEArgs
+from titanlite.models.family import ModelFamily
 
 FAMILIES = {family.name: family for family in (llama3.FAMILY, moe.FAMILY)}
+
+
+def family_of_hf_model(model_type: str | None, folder) -> ModelFamily:
+    """The family whose Hugging Face mapping reads a config.json's `model_type`."""
+    for family in FAMILIES.values():
+        if family.hf_model_type and family.hf_model_type == model_type:
+            return family
+    known = ", ".join(f.hf_model_type for f in FAMILIES.values() if f.hf_model_type)
+    raise ConfigError(
+        f"Hugging Face checkpoint '{folder}' has model_type={model_type!r}, which no titanlite family maps; "
+        f"use a model of one of: {known}"
+    )
 
 
 def model_args(name: str, flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0, model_config=None) -> ModelArgs:

@@ -23,6 +23,7 @@ class ModelFamily:
     check_config: Callable[[object], None]  # the config's [model] section: keys of the family's own; ConfigError
     plan_module: str  # where PLAN lives
     check_hf_export: Callable[[ModelArgs], None] = lambda args: None  # a Hugging Face architecture to export to
+    hf_model_type: str | None = None  # config.json's model_type of that architecture (its mapping: plan.hf)
 
     @property
     def plan(self) -> "ParallelPlan":
@@ -43,7 +44,7 @@ class ParallelPlan:
     tp_plan: Callable  # (model, sequence_parallel, loss_parallel) -> {name: ParallelStyle} of head and tail
     block_tp_plan: Callable  # (block, sequence_parallel, float8_recipe or None) -> {name: ParallelStyle}
     compile_units: Callable  # (block, tp_enabled) -> the modules torch.compile wraps
-    hf: ModuleType | None  # Hugging Face adapter: save_hf, iter_hf, read_hf_config, check_hf_shapes
+    hf: ModuleType | None  # the family's Hugging Face mapping (models/<family>/hf.py): save_hf, iter_hf, check_hf_shapes
     # Mixture of experts: the routed-expert modules (expert parallel shards them over experts, FSDP
     # over the data ranks outside EP) and the layers whose load balance the trainer updates.
     experts: Callable = lambda model: []  # model -> [nn.Module]

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from titanlite.checkpoint import hf
+from titanlite.models.llama3 import hf
 from titanlite.float8 import Float8Linear, Float8PrepareModuleInput
 from titanlite.models.family import ParallelPlan
 from titanlite.models.llama3.model import Transformer

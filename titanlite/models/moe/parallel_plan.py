@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from titanlite.checkpoint import hf
+from titanlite.models.moe import hf
 from titanlite.models.llama3 import parallel_plan as llama3_plan
 from titanlite.models.family import ParallelPlan
 from titanlite.models.common.moe import MoE, experts, moe_layers
