@@ -1,5 +1,6 @@
-"""titanlite's modules import each other without a circle: read from the package's own source (every
-import statement, also those inside functions), so a circle cannot hide behind a lazy import."""
+"""The shape of the package: titanlite's modules import each other without a circle, read from the
+package's own source (every import statement, also those inside functions, so a circle cannot hide
+behind a lazy import), and no file is over 500 lines."""
 
 import ast
 from pathlib import Path
@@ -77,3 +78,9 @@ def test_titanlite_has_no_import_circle():
     assert len(graph) > 30 and sum(map(len, graph.values())) > 50  # the graph was read at all
     circle = find_circle(graph)
     assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_no_titanlite_file_is_over_500_lines():
+    lengths = {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert len(lengths) > 30
+    assert not {path: n for path, n in lengths.items() if n > 500}
