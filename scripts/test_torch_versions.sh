@@ -5,7 +5,8 @@
 #
 # Venvs live in ${VENV_ROOT:-.venvs}/torch-<version> and are reused; each run's pytest log is
 # <venv>/pytest.log. One line per version goes to the console and to outputs/torch_versions.txt.
-# PYTEST_ARGS passes options to pytest (e.g. PYTEST_ARGS="-x -k parity").
+# PYTEST_ARGS passes options to pytest (e.g. PYTEST_ARGS="-x -k parity"); FULL=1 runs the whole
+# suite, the tests marked `full` included, as CI does (scripts/test_full.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 TORCH_VERSION [TORCH_VERSION ...]" >&2; exit 2; }
@@ -21,9 +22,12 @@ for version in "$@"; do
         continue
     fi
     start=$(date +%s)
+    marks=()
+    [ "${FULL:-0}" = 1 ] && marks=(-m "full or not full")
     # shellcheck disable=SC2086
-    if "$venv/bin/python" -m pytest -q ${PYTEST_ARGS:-} > "$venv/pytest.log" 2>&1; then result=pass; else result=fail; status=1; fi
+    if "$venv/bin/python" -m pytest -q "${marks[@]}" ${PYTEST_ARGS:-} > "$venv/pytest.log" 2>&1; then result=pass; else result=fail; status=1; fi
     summary=$(tail -n 1 "$venv/pytest.log")
-    echo "torch $version: $result ($summary; $(( $(date +%s) - start )) s; $(date -u +%Y-%m-%d))" | tee -a outputs/torch_versions.txt
+    suite=$([ "${FULL:-0}" = 1 ] && echo "whole suite" || echo "default suite")
+    echo "torch $version: $result ($suite: $summary; $(( $(date +%s) - start )) s; $(date -u +%Y-%m-%d))" | tee -a outputs/torch_versions.txt
 done
 exit $status
