@@ -6,7 +6,7 @@
     python scripts/plan.py --model 8B --gpu H100 --gpus 8 --layout dp_shard=8,ac=op   # one layout, estimated
 
 Ranks the layouts that fit by estimated step time and explains the winner against the nearest
-alternatives (see titanlite/planner.py for the model and its constants; docs/planner.md for how
+alternatives (see titanlite/planner/cost_model.py for the model and its constants; docs/planner.md for how
 its predictions compare with published runs).
 """
 
@@ -84,7 +84,7 @@ def main() -> int:
         runs = published_runs(args.runs)
         if args.fit:
             fitted = fit_constants([r for r in runs if not r.excluded and not r.holdout], restarts=args.restarts)
-            print("fitted (set these in titanlite/planner.py):")
+            print("fitted (set these in titanlite/planner/cost_model.py):")
             for name in FITTED:
                 value = fitted[name]
                 print(f"  {name} = {({k: round(v, 3) for k, v in value.items()} if isinstance(value, dict) else round(value, 3))}")

@@ -144,18 +144,38 @@ def test_predictions_within_10_percent_of_published_runs():
 
 def test_the_fitted_constants_are_a_minimum_of_the_fit():
     """Fitting again from the committed constants gains almost nothing: they are what --fit gives."""
-    from titanlite import planner
-    from titanlite.planner import FITTED, fit_constants, fit_loss
+    from titanlite.planner import FITTED, cost_model, fit_constants, fit_loss
 
     fitted = [r for r in counted_runs() if not r.holdout]
     before = fit_loss(fitted)
-    saved = {name: (dict(v) if isinstance(v, dict) else v) for name, v in ((n, getattr(planner, n)) for n in FITTED)}
+    saved = {name: (dict(v) if isinstance(v, dict) else v) for name, v in ((n, getattr(cost_model, n)) for n in FITTED)}
     try:
         fit_constants(fitted, rounds=1)
         assert fit_loss(fitted) > before - 0.002
     finally:
         for name, value in saved.items():
-            setattr(planner, name, value)
+            setattr(cost_model, name, value)
+
+
+def test_fitting_sets_the_constants_estimate_reads():
+    """From constants made worse (a scalar and a dict entry), fitting brings the loss back down: it
+    sets them where estimate() reads them (cost_model), not in a copy where a fit would do nothing."""
+    from titanlite.planner import FITTED, cost_model, fit_constants, fit_loss
+
+    fitted = [r for r in counted_runs() if not r.holdout]
+    before = fit_loss(fitted)
+    saved = {name: (dict(v) if isinstance(v, dict) else v) for name, v in ((n, getattr(cost_model, n)) for n in FITTED)}
+    try:
+        cost_model.GEMM_HALF *= 1.5
+        cost_model.SUSTAINED["H100"] *= 0.9
+        worse = fit_loss(fitted)
+        assert worse > before + 0.02
+        values = fit_constants(fitted, rounds=1)
+        assert fit_loss(fitted) < before + 0.25 * (worse - before)
+        assert values == {name: getattr(cost_model, name) for name in FITTED}
+    finally:
+        for name, value in saved.items():
+            setattr(cost_model, name, value)
 
 
 def test_recommends_tensor_parallel_inside_the_node_for_405b_and_cannot_rank_it_for_70b():

@@ -1,0 +1,25 @@
+"""A parallelism planner: memory per GPU and step time of candidate layouts, from shapes alone
+(scripts/plan.py is its command line; docs/planner.md has the model, its constants and its errors).
+
+  cost_model.py  the model: its constants (fitted and stated), Layout, Estimate, estimate()
+  fit.py         the published runs it is fitted and checked on, and the fit of its constants
+  search.py      the candidate layouts, the plan (those that fit, fastest first) and its explanation
+
+Of the constants only GIB, GPU_OVERHEAD and FITTED (the fitted ones' names) are re-exported here:
+fit_constants rebinds the fitted ones, so read and set them in cost_model, where estimate() reads
+them (`from titanlite.planner import cost_model`; a copy here would go stale).
+"""
+
+from titanlite.planner.cost_model import (
+    FITTED, GIB, GPU_OVERHEAD, Estimate, Layout, block_activation_elements, estimate, expert_params, gpu_family, stage_params,
+)
+from titanlite.planner.fit import PublishedRun, fit_constants, fit_loss, published_runs
+from titanlite.planner.search import (
+    breakdown, candidate_layouts, differences, explain, outside_validation, plan, powers_of_two,
+)
+
+__all__ = [
+    "FITTED", "GIB", "GPU_OVERHEAD", "Estimate", "Layout", "PublishedRun", "block_activation_elements", "breakdown",
+    "candidate_layouts", "differences", "estimate", "expert_params", "explain", "fit_constants", "fit_loss", "gpu_family",
+    "outside_validation", "plan", "powers_of_two", "published_runs", "stage_params",
+]
