@@ -93,7 +93,7 @@ def describe(frame) -> str:
 
 
 class HostReads(TorchDispatchMode):
-    """`with HostReads(lambda: trainer.step) as reads: trainer.train()`; then `reads.by_step[step]`
+    """`with HostReads(lambda: trainer.step) as reads: train(trainer)`; then `reads.by_step[step]`
     lists that step's reads, each as (where, what): `where` is (file, function) of the innermost
     titanlite or torch frame that read (what an allowance names), `what` names the op and the lines."""
 

@@ -163,7 +163,7 @@ def _positions_reaching_the_model(dataset: str, folder: str) -> dict:
     the positions it handed the model, the RoPE rows the first block's attention received (as
     (batch, seq, dim)) and the model's RoPE table."""
     from titanlite.config import parse_args
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     seen, results = {}, {}
     for mask, reset in [("block_causal", True), ("block_causal", False), ("causal", False)]:

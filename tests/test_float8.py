@@ -104,7 +104,8 @@ def test_which_linears_convert():
 
 def train_losses(recipes: list[str], dump_folder: str) -> dict:
     from titanlite.config import parse_args
-    from titanlite.train import Trainer
+    from titanlite.train import train
+    from titanlite.trainer import Trainer
 
     losses = {}
     for recipe in recipes:
@@ -115,7 +116,7 @@ def train_losses(recipes: list[str], dump_folder: str) -> dict:
             "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--metrics.peak_flops", "1e12", *extra,
         ])
-        Trainer(config, torch.device("cpu")).train()
+        train(Trainer(config, torch.device("cpu")))
         rows = [json.loads(line) for line in open(f"{dump_folder}/{recipe}/metrics.jsonl")]
         losses[recipe] = [r["loss"] for r in rows if "loss" in r]
     return losses

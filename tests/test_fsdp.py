@@ -10,7 +10,7 @@ def _dtypes_reaching_a_bf16_block(dataset: str, folder: str) -> dict:
     import torch
 
     from titanlite.config import parse_args
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     trainer = Trainer(parse_args(tiny_args(dataset, folder, "--training.mixed_precision_param", "bfloat16")), torch.device("cpu"))
     seen = {}
@@ -33,7 +33,7 @@ def _reduce_scatters_of_a_step(dataset: str, folder: str) -> dict:
     import torch.distributed as dist
     from titanlite.config import parse_args
     from titanlite.parallel.fsdp import AllToAllReduceScatter
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     summed = []
     original = AllToAllReduceScatter.__call__

@@ -52,9 +52,9 @@ class Allowance:
 
 
 ALLOWANCES = {
-    "batch_to_device": Allowance("titanlite/train.py", ("Trainer.next_microbatches",), "microbatch"),
+    "batch_to_device": Allowance("titanlite/trainer.py", ("Trainer.next_microbatches",), "microbatch"),
     "ep_split_sizes": Allowance("titanlite/parallel/expert.py", ("exchange_over_ep",), "moe layer"),
-    "moe_finite_flag": Allowance("titanlite/train.py", ("Trainer.balance_experts",), "step"),
+    "moe_finite_flag": Allowance("titanlite/trainer.py", ("Trainer.balance_experts",), "step"),
     "mesh_rank_grid": Allowance(
         "torch/distributed/device_mesh.py", ("DeviceMesh.__init__", "DeviceMesh._compute_coordinates_from_mesh"), "step"
     ),
@@ -72,12 +72,13 @@ def _reads_per_step(dataset: str, folder: str, overrides: list[str]) -> dict:
     from host_reads import HostReads
 
     from titanlite.config import parse_args
-    from titanlite.train import Trainer
+    from titanlite.train import train
+    from titanlite.trainer import Trainer
 
     args = tiny_args(dataset, folder, "--training.steps", str(STEPS), "--metrics.log_freq", "3", *overrides)
     trainer = Trainer(parse_args(args), torch.device("cpu"))
     with HostReads(lambda: trainer.step) as reads:
-        trainer.train()
+        train(trainer)
     return {
         "reads": {step: reads.by_step[step] for step in range(1, STEPS + 1)},
         "units": {"step": 1, "microbatch": trainer.accumulation_steps, "moe layer": trainer.accumulation_steps * len(trainer.moe_layers)},
@@ -115,7 +116,7 @@ def test_steps_that_do_not_log_read_nothing_from_the_device(corpus_jsonl, tmp_pa
         per_step, units = run["reads"], run["units"]
         for step in LOG_STEPS:  # the recorder sees the log's reads of the loss and grad norm
             texts = " ".join(text for _, text in per_step[step])
-            assert "(Trainer.global_loss)" in texts and "(Trainer.train)" in texts, f"rank {rank}, log step {step}: {texts}"
+            assert "(Trainer.global_loss)" in texts and "(train)" in texts, f"rank {rank}, log step {step}: {texts}"
         expected = Counter({name: count * units[ALLOWANCES[name].per] for name, count in {"batch_to_device": 2, **allowed}.items()})
         for step in sorted(set(per_step) - set(LOG_STEPS)):
             reads = Counter(allowance_of(where) or text for where, text in per_step[step])

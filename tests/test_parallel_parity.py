@@ -113,7 +113,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
     from titanlite.optim import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     validation = ["--validation.dataset", dataset, "--validation.steps", str(VALIDATION_STEPS), "--training.data_split", "sequences"]
     config = parse_args(tiny_args(dataset, dump_folder, "--training.steps", str(STEPS), *validation, *overrides))

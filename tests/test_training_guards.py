@@ -23,7 +23,7 @@ def _batch(trainer, rows: int = 2):
 
 def _nonfinite_grad(dataset: str, folder: str, overrides: list[str]) -> list:
     from titanlite.config import parse_args
-    from titanlite.train import Trainer, TrainingDiverged
+    from titanlite.trainer import Trainer, TrainingDiverged
 
     trainer = Trainer(parse_args(tiny_args(dataset, folder, *overrides)), torch.device("cpu"))
     outcomes = []
@@ -76,7 +76,8 @@ def test_skip_nonfinite_steps_skips_and_counts_up_to_its_limit(corpus_jsonl, tmp
 
 def _diverge_at_step_3(dataset: str, folder: str) -> dict:
     from titanlite.config import parse_args
-    from titanlite.train import Trainer, TrainingDiverged
+    from titanlite.train import train
+    from titanlite.trainer import Trainer, TrainingDiverged
 
     args = tiny_args(dataset, folder, "--checkpoint.enable", "--checkpoint.interval", "1", "--metrics.log_freq", "10",
                      "--training.steps", "6")
@@ -91,7 +92,7 @@ def _diverge_at_step_3(dataset: str, folder: str) -> dict:
 
     trainer.compute_gradients = compute_gradients
     try:
-        trainer.train()
+        train(trainer)
         error = None
     except TrainingDiverged as e:
         error = str(e)
@@ -111,7 +112,7 @@ def _tp_norm_grad_reductions(dataset: str, folder: str) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from titanlite.config import parse_args
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     trainer = Trainer(parse_args(tiny_args(dataset, folder, "--parallelism.tensor_parallel_degree", "2")), torch.device("cpu"))
     trainer.compute_gradients(_batch(trainer))
@@ -130,7 +131,7 @@ def test_tensor_parallel_norm_gradients_are_summed_once(corpus_jsonl, tmp_path):
 
 def _validate(dataset: str, folder: str, validation: str, overrides: list[str]) -> float:
     from titanlite.config import parse_args
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     config = parse_args(tiny_args(dataset, folder, "--validation.dataset", validation, "--validation.steps", "10", *overrides))
     return Trainer(config, torch.device("cpu")).validate()
@@ -160,12 +161,13 @@ def test_validation_drops_a_partial_batch_under_pipeline_microbatches(corpus_jso
 
 def _timeouts(dataset: str, folder: str) -> dict:
     from titanlite.config import parse_args
-    from titanlite.train import Trainer
+    from titanlite.train import shorten_collective_timeout
+    from titanlite.trainer import Trainer
 
     config = parse_args(tiny_args(dataset, folder, "--checkpoint.enable", "--checkpoint.async_mode", "async",
                                   "--comm.train_timeout_seconds", "7", "--comm.checkpoint_timeout_seconds", "1234"))
     trainer = Trainer(config, torch.device("cpu"))
-    trainer.shorten_collective_timeout()  # what the loop does after the first step
+    shorten_collective_timeout(trainer)  # what the loop does after the first step
     cpu = torch.device("cpu")
     default = torch.distributed.distributed_c10d._get_default_group()
     return {

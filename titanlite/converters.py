@@ -1,8 +1,8 @@
 """Model converters (`model.converters`): swap modules before any parallelism is applied.
 
 A converter changes the model in `convert` (given the family's plan), may prepare it for FSDP (`before_fsdp`), may refresh
-state before each step (`before_step`), and describes itself in one log line. train.py and
-parallelize.py use this interface only; `float8` is the one converter today.
+state before each step (`before_step`), and describes itself in one log line. trainer.py, train.py
+and parallelize.py use this interface only; `float8` is the one converter today.
 """
 
 from __future__ import annotations

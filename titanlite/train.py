@@ -1,54 +1,32 @@
 """Entry point: `torchrun ... -m titanlite.train --job.config_file FILE [--section.key value ...]`.
 
-Trainer.__init__ builds everything in order (mesh, tokenizer, model on meta, parallelize,
-materialize + init, optimizer, data, metrics); Trainer.train is the loop; train_step is one
-optimizer step over the gradient-accumulation microbatches.
+main() starts the process (launcher watch, preflight, process group), builds the Trainer
+(titanlite/trainer.py: the model, its parallelism and one optimizer step) and runs it: a dry run's
+report, a seed checkpoint, or `train`, the loop over steps (logging, validation, checkpoints).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import itertools
 import json
-import math
 import os
 import socket
 import sys
 import threading
 import time
-from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
-from titanlite.checkpoint.checkpointer import Checkpointer
 from titanlite.config import JobConfig, parse_args
 from titanlite.errors import ConfigError
-from titanlite.converters import build_converters
-from titanlite.data.dataset import build_dataloader
-from titanlite.data.tokenizer import build_tokenizer
-from titanlite.loss import cross_entropy_sum
-from titanlite.metrics import MetricsLogger, log_line
-from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
-from titanlite.models.common.attention import document_layout
-from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
-from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
-from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
-from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
-from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
+from titanlite.metrics import log_line
 from titanlite import preflight
 from titanlite.profiling import Profiler
 from titanlite.torchrun import start_attempt, write_error
-
-
-class TrainingDiverged(RuntimeError):
-    pass
+from titanlite.trainer import Trainer, TrainingDiverged, local_value
 
 
 def init_distributed(config: JobConfig) -> torch.device:
@@ -109,24 +87,6 @@ def enable_flight_recorder(config: JobConfig) -> None:
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, c.save_traces_file_prefix))
 
 
-def set_determinism(config: JobConfig, device: torch.device) -> int:
-    """[debug]: the seed (drawn on rank 0 and shared when debug.seed is none) and deterministic kernels."""
-    d = config.debug
-    if d.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=d.deterministic_warn_only)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    seed = d.seed
-    if seed is None:
-        drawn = torch.tensor(int.from_bytes(os.urandom(4), "little") >> 1, device="cpu" if device.type == "meta" else device)
-        if device.type != "meta":
-            dist.broadcast(drawn, src=0)
-        seed = int(drawn)
-        log_line(f"debug.seed is none: seed {seed} drawn at random (set debug.seed={seed} to repeat this run)")
-    torch.manual_seed(seed)
-    return seed
-
-
 def exit_with_launcher() -> None:
     """torchrun starts each rank in a session of its own, so a rank outlives a launcher killed with
     SIGKILL (or a node's agent that died) and would train on beside the job that replaces it, writing
@@ -152,420 +112,111 @@ def set_collective_timeout(seconds: int, keep=()) -> None:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+def shorten_collective_timeout(trainer: Trainer) -> None:
+    """comm.train_timeout_seconds for training's groups; the async checkpoint keeps its own."""
+    keep = [trainer.checkpointer.checkpoint_group] if trainer.checkpointer.checkpoint_group else []
+    set_collective_timeout(trainer.config.comm.train_timeout_seconds, keep)
 
 
-class Trainer:
-    def __init__(self, config: JobConfig, device: torch.device):
-        self.config, self.device = config, device
-        t = config.training
-        self.dims = ParallelDims.from_config(config, dist.get_world_size())
-        self.dims.build_mesh("cpu" if device.type == "meta" else device.type)
-        # The seed used goes into the saved config, so the config reproduces the run.
-        self.seed = config.debug.seed = set_determinism(config, device)
-
-        tokenizer_value, tokenizer_key = config.tokenizer
-        self.tokenizer = build_tokenizer(tokenizer_value, tokenizer_key)
-        args = model_args(
-            config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
-        )
-        self.document_masking = args.attn_mask_type == "block_causal"
-        if self.document_masking and args.attn_type != "sdpa" and device.type != "meta":
-            why = (
-                f"FlexAttention has no backward on {device.type}, so the exact SDPA path runs" if device.type != "cuda"
-                else "under context parallel the document ring runs" if self.dims.cp_enabled else None
-            )
-            if why:
-                log_line(f"attention kernel {args.attn_type} not used: {why}")
-                args = replace(args, attn_type="sdpa")  # builds no block mask
-        family = FAMILIES[config.model.name]
-        family.check(args, self.dims)
-        if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
-            family.check_hf_export(args)  # before training, not when rank 0 converts the last checkpoint
-        self.plan = family.plan
-        if self.tokenizer.vocab_size > args.vocab_size:
-            raise ConfigError(
-                f"{tokenizer_key}='{tokenizer_value}' has {self.tokenizer.vocab_size} tokens, more "
-                f"than model.flavor='{config.model.flavor}' embeds ({args.vocab_size}); use a smaller tokenizer"
-            )
-        whole = build_model(config.model.name, args)
-        if t.dtype == "bfloat16":
-            whole.to(torch.bfloat16)  # parameters, gradients and optimizer states; RoPE is rebuilt in fp32
-        self.num_params, self.active_params = whole.num_params(), args.num_params(active=True)
-        self.flops_per_token = whole.flops_per_token(t.seq_len)
-        if self.dims.pp_enabled:
-            self.stage_ids, n_stages, self.model_parts = pipeline_stages(whole, self.plan, self.dims, config)
-        else:
-            self.stage_ids, n_stages, self.model_parts = [0], 1, [whole]
-        self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
-        self.converters = build_converters(config)
-        for part in self.model_parts:
-            parallelize(part, self.plan, self.dims, config, device.type, self.converters)
-            if config.model.print_after_conversion and dist.get_rank() == 0:
-                print(part, flush=True)
-        self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
-        self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
-        self.balance: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's MoE counts and aux loss
-        self.loss_parallel = loss_parallel_enabled(self.dims, config)
-        compile_loss = config.compile.enable and "loss" in config.compile.components
-        self.cross_entropy = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
-        if self.dims.cp_enabled and device.type == "cpu":
-            register_cpu_ring_attention()
-        if device.type == "meta":
-            return  # dry run: nothing to materialize
-        offload = t.enable_cpu_offload and device.type == "cuda"
-        for part in self.model_parts:
-            # FSDP's CPU offload keeps the sharded parameters in host memory; buffers (RoPE) live on the GPU.
-            part.to_empty(device="cpu" if offload else device)
-            part.init_weights(self.seed, assign=assign_full_value)
-            if offload:
-                for module in part.modules():
-                    module._buffers.update({k: v.to(device) for k, v in module._buffers.items() if v is not None})
-            part.train()
-        self.loss_scale = 1  # the global token count of the current step
-        self.first_nonfinite_step = torch.full((), -1, device=device)  # -1: every grad norm so far is finite
-        self.pp_schedule = None
-        if self.dims.pp_enabled:
-            self.pp_schedule = build_schedule(config, self.model_parts, self.stage_ids, n_stages, self.dims, device, self.loss_fn)
-        self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
-
-        # One optimizer and lr schedule per model part (pipeline stage): checkpoints key the optimizer
-        # state by parameter name through the module that owns the parameters.
-        self.optimizers = [build_optimizer(part.parameters(), config) for part in self.model_parts]
-        self.lr_schedulers = [build_lr_scheduler(opt, config) for opt in self.optimizers]
-
-        batch_mesh = self.dims.get_mesh("batch")
-        self.dp_rank, self.dp_degree = batch_mesh.get_local_rank(), batch_mesh.size()
-        self.batch_group, self.loss_group = batch_mesh.get_group(), self.dims.get_mesh("loss").get_group()
-        self.routing_group = self.dims.get_mesh("routing").get_group()  # MoE token counts: tp ranks route their own
-        self.accumulation_steps = self.dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
-        set_batch(self.moe_layers, self.accumulation_steps * t.local_batch_size * self.dp_degree, t.seq_len)
-        self.dataloader = build_dataloader(config, self.tokenizer, self.dp_rank, self.dp_degree)
-        self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
-        self.metrics = MetricsLogger(
-            config,
-            device,
-            self.flops_per_token,
-            tokens_divisor=self.dims.non_data_parallel_size,
-            rank=dist.get_rank(),
-        )
-        self.checkpointer = Checkpointer(config, self)
-        self.profiler = None
-
-    def parameters(self):
-        return [p for part in self.model_parts for p in part.parameters()]
-
-    def token_inputs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's per-token keyword inputs (every pipeline stage gets them), from the whole
-        window: under block_causal each token's document id and position; under context parallel
-        its position (which RoPE rows its sequence shard takes)."""
-        if self.document_masking:
-            document_ids, positions = document_layout(
-                inputs, self.tokenizer.bos_id, self.config.model.reset_position_ids, self.tokenizer.eos_id
-            )
-            return {"positions": positions, "document_ids": document_ids}
-        if self.dims.cp_enabled:
-            return {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)}
-        return {}
-
-    @contextmanager
-    def step_context(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """Yields (inputs, labels, the model's per-token keyword inputs); under CP this rank's sequence
-        shards of them. Loss parallel under TP."""
-        token_inputs = self.token_inputs(inputs)
-        with ExitStack() as stack:
-            if self.loss_parallel:
-                stack.enter_context(loss_parallel())
-            if self.dims.cp_enabled:
-                p = self.config.parallelism
-                inputs, labels, *shards = stack.enter_context(
-                    sequence_parallel_step(
-                        self.dims.get_mesh("cp"),
-                        [inputs, labels, *token_inputs.values()],
-                        load_balance=p.context_parallel_load_balancer == "headtail",
-                        rotate_method=p.context_parallel_rotate_method,
-                    )
-                )
-                token_inputs = dict(zip(token_inputs, shards))
-            yield inputs, labels, token_inputs
-
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return local_value(self.cross_entropy(logits, labels)) / self.loss_scale
-
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
-        """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last
-        stage), with gradients accumulated when `backward`."""
-        with self.step_context(inputs, labels) as (inputs, labels, token_inputs):
-            if self.pp_schedule is None:
-                loss = self.loss_fn(self.model_parts[0](inputs, **token_inputs), labels)
-                if backward:
-                    loss.backward()
-                return loss.detach()
-            # Every pp rank loads the same batch: the first stage takes the inputs, the last the labels.
-            args = (inputs,) if self.has_first_stage else ()
-            losses = [] if self.has_last_stage else None
-            target = labels if self.has_last_stage else None
-            if backward:
-                self.pp_schedule.step(*args, target=target, losses=losses, **token_inputs)
-            else:
-                with forward_only(self.pp_schedule):
-                    self.pp_schedule.eval(*args, target=target, losses=losses, **token_inputs)
-            return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
-
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the microbatches. Returns (this rank's part of the global mean loss,
-        grad norm), both on the device: nothing here waits for the device."""
-        loss = self.compute_gradients(microbatches)
-        return loss, self.apply_gradients()
-
-    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Forward/backward every microbatch; returns this rank's part of the global mean loss (on the
-        device; `global_loss` sums the parts)."""
-        # Dividing each rank's summed loss by the global token count makes the summed gradients
-        # the gradient of the global mean, whatever the dp degree and accumulation steps.
-        self.loss_scale = sum(self.global_tokens(labels) for _, labels in microbatches)
-        self.before_step()
-        return sum(self.forward(x, y, backward=True) for x, y in microbatches)
-
-    def global_tokens(self, labels: torch.Tensor) -> int:
-        """The tokens of `labels` on every data-parallel rank together (before any sequence split): every
-        label counts (the loader packs full windows, no padding) and every rank holds as many, so each
-        rank knows the count without a collective."""
-        return labels.numel() * self.dp_degree
-
-    def global_loss(self, loss: torch.Tensor) -> float:
-        """The global mean loss from every rank's part (a collective, and a wait for the device: log steps only)."""
-        return self.reduce_loss(loss.clone()).item()
-
-    def before_step(self) -> None:
-        for converter in self.converters:
-            converter.before_step(self.model_parts)
-
-    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks that hold parts of the loss: data/context ranks, and the last pp stage."""
-        dist.all_reduce(loss, group=self.loss_group)
-        if self.pp_group is not None:
-            dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank adds a nonzero
-        return loss
-
-    def apply_gradients(self) -> torch.Tensor:
-        """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm (on the
-        device). A grad norm that is not finite is kept as the step's number on the device, and
-        `check_finite` (log and checkpoint steps) stops the run there. With training.skip_nonfinite_steps
-        the step is skipped instead, which needs the norm on the host: one wait for the device a step."""
-        params = self.parameters()
-        reduce_partial_grads(params)
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, self.pp_group)
-        finite = torch.isfinite(grad_norm)
-        skip = self.config.training.skip_nonfinite_steps and not bool(finite)
-        for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
-            if not skip:
-                opt.step()
-                scheduler.step()
-            opt.zero_grad(set_to_none=True)
-        if self.is_moe:
-            self.balance_experts(finite)
-        if skip:
-            self.skip_step(grad_norm.item())
-        else:
-            self.first_nonfinite_step.masked_fill_(~finite & (self.first_nonfinite_step < 0), self.step)
-        return grad_norm
-
-    def check_finite(self, loss: float = 0.0) -> None:
-        """Stop the run if a step's grad norm was not finite (reads the device's flag: a wait), or the
-        logged `loss` is not."""
-        if not math.isfinite(loss):
-            raise TrainingDiverged(
-                f"loss is {loss} at step {self.step}; training stopped. Lower optimizer.lr, raise "
-                "lr_scheduler.warmup_steps or check the data"
-            )
-        step = int(self.first_nonfinite_step)
-        if step >= 0:
-            raise TrainingDiverged(
-                f"grad norm is not finite at step {step}; training stopped at step {self.step}, before logging "
-                "or saving. Lower optimizer.lr or training.max_norm, check the data, or set "
-                "training.skip_nonfinite_steps=true to skip such steps"
-            )
-
-    def balance_experts(self, finite: torch.Tensor) -> None:
-        """MoE: the step's tokens per expert and aux loss, summed over the ranks that routed different
-        tokens (one all-reduce); the expert bias moves towards balance, not after a step whose grad norm
-        is not finite (`finite`, on the device). The sums stay on the device for the log."""
-        counts, aux = global_balance(self.moe_layers, self.routing_group)
-        update_expert_bias(self.moe_layers, counts * finite.to(counts.device))  # zero counts leave the bias where it is
-        self.balance = counts, aux
-
-    def skip_step(self, grad_norm: float) -> None:
-        """A step whose gradients are not finite: the optimizer and lr schedule did not move."""
-        t = self.config.training
-        where = f"grad norm is {grad_norm} at step {self.step}"
-        self.skipped_steps += 1
-        log_line(f"{where}: optimizer step skipped ({self.skipped_steps} skipped so far)")
-        if self.skipped_steps > t.max_skipped_steps:
-            raise TrainingDiverged(
-                f"{where}: {self.skipped_steps} steps skipped, more than training.max_skipped_steps="
-                f"{t.max_skipped_steps}; training stopped. Lower optimizer.lr or check the data"
-            )
-
-    def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batches = [next(data_iter) for _ in range(self.accumulation_steps)]
-        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
-
-    @torch.no_grad()
-    def validate(self) -> float:
-        v = self.config.validation
-        self.before_step()
-        for part in self.model_parts:
-            part.eval()
-        loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
-        self.loss_scale = 1  # summed losses
-        loss_sum, tokens = torch.zeros((), device=self.device), 0
-        batches = iter(loader)
-        for _ in itertools.count() if v.steps == -1 else range(v.steps):
-            batch = next(batches, None)
-            # Data-parallel ranks read different documents and can run out at different batches:
-            # all stop at the first batch that one of them lacks, or their collectives would hang.
-            if not self.every_rank(batch is not None):
-                break
-            x, y = (b.to(self.device) for b in batch)
-            loss_sum += self.forward(x, y, backward=False).float()
-            tokens += self.global_tokens(y)
-        loss_sum = self.reduce_loss(loss_sum)
-        for part in self.model_parts:
-            part.train()
-        if tokens == 0:
-            raise ConfigError("validation data yielded no full sequence; use a larger validation set or shorter seq_len")
-        return (loss_sum / tokens).item()
-
-    def stage_balance(self) -> dict[str, float] | None:
-        """A MoE's balance at a log step: the busiest expert's tokens over the mean in the worst layer
-        of any pipeline stage (each holds its own layers, maybe none), and the summed aux loss (when
-        on). Collective over pp: every rank calls it."""
-        if not self.is_moe:
-            return None
-        load, aux = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        if self.balance is not None and self.balance[0].numel():
-            counts = self.balance[0]
-            load = (counts.max(dim=1).values / counts.mean(dim=1)).max().float().to(self.device)
-            aux = self.balance[1].float().to(self.device)
-        if self.pp_group is not None:
-            dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.pp_group)
-            dist.all_reduce(aux, group=self.pp_group)
-        return {"moe_max_load": load.item()} | ({"moe_aux_loss": aux.item()} if self.aux_loss_on else {})
-
-    def shorten_collective_timeout(self) -> None:
-        """comm.train_timeout_seconds for training's groups; the async checkpoint keeps its own."""
-        keep = [self.checkpointer.checkpoint_group] if self.checkpointer.checkpoint_group else []
-        set_collective_timeout(self.config.comm.train_timeout_seconds, keep)
-
-    def every_rank(self, condition: bool) -> bool:
-        flag = torch.tensor(float(condition), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    def train(self) -> None:
-        t, m, v = self.config.training, self.config.metrics, self.config.validation
-        tokens_per_step = self.accumulation_steps * t.local_batch_size * t.seq_len
+def train(trainer: Trainer) -> None:
+    """The run loop: resume, then step until training.steps, logging, validating and saving on their steps."""
+    t, m, v = trainer.config.training, trainer.config.metrics, trainer.config.validation
+    tokens_per_step = trainer.accumulation_steps * t.local_batch_size * t.seq_len
+    log_line(
+        f"{trainer.config.job.description}: model {trainer.config.model.name} {trainer.config.model.flavor}: {trainer.num_params:,} params, "
+        f"{trainer.flops_per_token / 1e9:.3f} GFLOPs/token; layout {trainer.dims.describe()}; "
+        f"{trainer.accumulation_steps} microbatch(es)/step; MFU peak {trainer.metrics.peak / 1e12:.2f} TFLOP/s "
+        f"({trainer.metrics.peak_source}); device {trainer.device}"
+        + (f"; J/token from power by {trainer.metrics.power[0]}" if trainer.metrics.power else "")
+        + (f"; MoE: FLOPs, TFLOPS and MFU count the {trainer.active_params:,} parameters a token uses (its "
+           "experts), not all" if trainer.is_moe else "")
+    )
+    for converter in trainer.converters:
+        log_line(converter.describe(trainer.model_parts, trainer.device))
+    if trainer.config.model.tokenizer_path:
+        log_line("model.tokenizer_path is deprecated (TorchTitan v0.2): use model.hf_assets_path")
+    if trainer.pp_schedule is not None:
         log_line(
-            f"{self.config.job.description}: model {self.config.model.name} {self.config.model.flavor}: {self.num_params:,} params, "
-            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; layout {self.dims.describe()}; "
-            f"{self.accumulation_steps} microbatch(es)/step; MFU peak {self.metrics.peak / 1e12:.2f} TFLOP/s "
-            f"({self.metrics.peak_source}); device {self.device}"
-            + (f"; J/token from power by {self.metrics.power[0]}" if self.metrics.power else "")
-            + (f"; MoE: FLOPs, TFLOPS and MFU count the {self.active_params:,} parameters a token uses (its "
-               "experts), not all" if self.is_moe else "")
+            f"pipeline: {trainer.config.parallelism.pipeline_parallel_schedule}, this rank holds stages {trainer.stage_ids}; "
+            "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
         )
-        for converter in self.converters:
-            log_line(converter.describe(self.model_parts, self.device))
-        if self.config.model.tokenizer_path:
-            log_line("model.tokenizer_path is deprecated (TorchTitan v0.2): use model.hf_assets_path")
-        if self.pp_schedule is not None:
-            log_line(
-                f"pipeline: {self.config.parallelism.pipeline_parallel_schedule}, this rank holds stages {self.stage_ids}; "
-                "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
-            )
-        resumed = self.checkpointer.load()
-        c = self.config.checkpoint
-        biased = any(bool(layer.expert_bias.any()) for layer in self.moe_layers)
-        # Asked of every rank (a pipeline stage may hold no MoE layer), so all stop here alike, not rank 0
-        # alone when it converts the final save.
-        if c.enable and c.last_save_in_hf and self.is_moe and not self.every_rank(not biased):
-            raise ConfigError(
-                "checkpoint.last_save_in_hf=true, but the loaded model's expert bias is not zero and Qwen3MoeForCausalLM "
-                "has none: the export would route differently; set checkpoint.last_save_in_hf=false"
-            )
-        self.metrics.open(append=resumed)
-        gc.disable()  # collect at fixed steps instead, so ranks don't stall at different times
-        gc.collect()
-        data_iter = iter(self.dataloader)
-        loss = float("nan")
-        self.profiler = Profiler(self.config, dist.get_rank(), self.device)
-        first_step, first_tokens = self.step + 1, self.tokens_seen
-        while self.step < t.steps:
-            self.step += 1
-            if t.gc_debug:
-                gc.collect()  # every step, every generation: memory held by reference cycles shows at once
-            elif self.step % t.gc_freq == 0:
-                gc.collect(1)
-            data_start = time.perf_counter()
-            microbatches = self.next_microbatches(data_iter)
-            data_seconds = time.perf_counter() - data_start
-            local_loss, grad_norm = self.train_step(microbatches)
-            self.tokens_seen += tokens_per_step * self.dp_degree
-            self.metrics.record_step(tokens_per_step, data_seconds)
-            last = self.step == t.steps
-            # Only log, validation and checkpoint steps wait for the device (and reduce the loss).
-            validating = v.enable and (self.step % v.freq == 0 or last)
-            if validating or self.checkpointer.due(self.step, last):
-                self.check_finite()  # never evaluate or save weights a non-finite step has touched
-            if self.step == 1 or self.step % m.log_freq == 0 or last:
-                loss = self.global_loss(local_loss)
-                self.check_finite(loss)
-                lr = self.lr_schedulers[0].get_last_lr()[0]
-                skipped = self.skipped_steps if t.skip_nonfinite_steps else None
-                self.metrics.log(self.step, loss, grad_norm.item(), lr, self.tokens_seen, skipped, self.stage_balance())
-            if validating:
-                self.metrics.log_validation(self.step, self.validate())
-                self.metrics.reset()  # keep evaluation time out of the next throughput window
-            self.checkpointer.maybe_save(self.step, last)
-            self.profiler.after_step(self.step)
-            if self.step == first_step:
-                self.shorten_collective_timeout()
-        self.checkpointer.wait()
-        self.profiler.close()
-        elapsed = time.perf_counter() - self.metrics.start
-        tokens = self.tokens_seen - first_tokens  # a resumed run counts only what this process trained
-        log_line(
-            f"done: {self.step} steps, final loss {loss:.4f}; this run: {self.step - first_step + 1} steps, "
-            f"{tokens:,} tokens in {elapsed:.1f}s ({tokens / elapsed / self.dims.world_size:,.0f} tokens/s per device); "
-            f"metrics in {self.metrics.folder / 'metrics.jsonl'}"
+    resumed = trainer.checkpointer.load()
+    c = trainer.config.checkpoint
+    biased = any(bool(layer.expert_bias.any()) for layer in trainer.moe_layers)
+    # Asked of every rank (a pipeline stage may hold no MoE layer), so all stop here alike, not rank 0
+    # alone when it converts the final save.
+    if c.enable and c.last_save_in_hf and trainer.is_moe and not trainer.every_rank(not biased):
+        raise ConfigError(
+            "checkpoint.last_save_in_hf=true, but the loaded model's expert bias is not zero and Qwen3MoeForCausalLM "
+            "has none: the export would route differently; set checkpoint.last_save_in_hf=false"
         )
-        self.metrics.close()
+    trainer.metrics.open(append=resumed)
+    gc.disable()  # collect at fixed steps instead, so ranks don't stall at different times
+    gc.collect()
+    data_iter = iter(trainer.dataloader)
+    loss = float("nan")
+    trainer.profiler = Profiler(trainer.config, dist.get_rank(), trainer.device)
+    first_step, first_tokens = trainer.step + 1, trainer.tokens_seen
+    while trainer.step < t.steps:
+        trainer.step += 1
+        if t.gc_debug:
+            gc.collect()  # every step, every generation: memory held by reference cycles shows at once
+        elif trainer.step % t.gc_freq == 0:
+            gc.collect(1)
+        data_start = time.perf_counter()
+        microbatches = trainer.next_microbatches(data_iter)
+        data_seconds = time.perf_counter() - data_start
+        local_loss, grad_norm = trainer.train_step(microbatches)
+        trainer.tokens_seen += tokens_per_step * trainer.dp_degree
+        trainer.metrics.record_step(tokens_per_step, data_seconds)
+        last = trainer.step == t.steps
+        # Only log, validation and checkpoint steps wait for the device (and reduce the loss).
+        validating = v.enable and (trainer.step % v.freq == 0 or last)
+        if validating or trainer.checkpointer.due(trainer.step, last):
+            trainer.check_finite()  # never evaluate or save weights a non-finite step has touched
+        if trainer.step == 1 or trainer.step % m.log_freq == 0 or last:
+            loss = trainer.global_loss(local_loss)
+            trainer.check_finite(loss)
+            lr = trainer.lr_schedulers[0].get_last_lr()[0]
+            skipped = trainer.skipped_steps if t.skip_nonfinite_steps else None
+            trainer.metrics.log(trainer.step, loss, grad_norm.item(), lr, trainer.tokens_seen, skipped, trainer.stage_balance())
+        if validating:
+            trainer.metrics.log_validation(trainer.step, trainer.validate())
+            trainer.metrics.reset()  # keep evaluation time out of the next throughput window
+        trainer.checkpointer.maybe_save(trainer.step, last)
+        trainer.profiler.after_step(trainer.step)
+        if trainer.step == first_step:
+            shorten_collective_timeout(trainer)
+    trainer.checkpointer.wait()
+    trainer.profiler.close()
+    elapsed = time.perf_counter() - trainer.metrics.start
+    tokens = trainer.tokens_seen - first_tokens  # a resumed run counts only what this process trained
+    log_line(
+        f"done: {trainer.step} steps, final loss {loss:.4f}; this run: {trainer.step - first_step + 1} steps, "
+        f"{tokens:,} tokens in {elapsed:.1f}s ({tokens / elapsed / trainer.dims.world_size:,.0f} tokens/s per device); "
+        f"metrics in {trainer.metrics.folder / 'metrics.jsonl'}"
+    )
+    trainer.metrics.close()
 
-    def create_seed_checkpoint(self) -> None:
-        """The initial weights as step-0, written by one process so any layout can load the same start."""
-        if self.dims.world_size != 1:
-            raise ConfigError(
-                f"checkpoint.create_seed_checkpoint=true runs on 1 process, not {self.dims.world_size}; use NGPU=1"
-            )
-        self.checkpointer.save(0, model_only=True, dtype=torch.float32)
 
-    def describe_dry_run(self) -> None:
-        """What each rank would hold, from the meta-device model: checks a big layout on a laptop."""
-        local = sum(local_value(p).numel() for p in self.parameters())
-        # fp32 params + grads + two Adam moments per local parameter.
-        log_line(
-            f"dry run OK: layout {self.dims.describe()}; model {self.num_params:,} params, "
-            f"{local:,} on rank 0 (~{16 * local / 2**30:.1f} GiB of params, grads and AdamW states); "
-            f"{self.flops_per_token / 1e9:.2f} GFLOPs/token"
+def create_seed_checkpoint(trainer: Trainer) -> None:
+    """The initial weights as step-0, written by one process so any layout can load the same start."""
+    if trainer.dims.world_size != 1:
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint=true runs on 1 process, not {trainer.dims.world_size}; use NGPU=1"
         )
+    trainer.checkpointer.save(0, model_only=True, dtype=torch.float32)
 
 
-def longest_sequence(config: JobConfig) -> int:
-    """The RoPE table's length: training's sequences, or validation's where longer."""
-    v = config.validation
-    return max(config.training.seq_len, v.seq_len if v.enable else 0)
+def describe_dry_run(trainer: Trainer) -> None:
+    """What each rank would hold, from the meta-device model: checks a big layout on a laptop."""
+    local = sum(local_value(p).numel() for p in trainer.parameters())
+    # fp32 params + grads + two Adam moments per local parameter.
+    log_line(
+        f"dry run OK: layout {trainer.dims.describe()}; model {trainer.num_params:,} params, "
+        f"{local:,} on rank 0 (~{16 * local / 2**30:.1f} GiB of params, grads and AdamW states); "
+        f"{trainer.flops_per_token / 1e9:.2f} GFLOPs/token"
+    )
 
 
 def record_config(config: JobConfig) -> None:
@@ -602,14 +253,14 @@ def main(argv: list[str] | None = None) -> None:
         if dist.get_rank() == 0:
             record_config(config)
         if config.dry_run:
-            trainer.describe_dry_run()
+            describe_dry_run(trainer)
         else:
             if dist.get_rank() == 0:
                 config.save(trainer.metrics.folder / "config.toml")
             if config.checkpoint.create_seed_checkpoint:
-                trainer.create_seed_checkpoint()
+                create_seed_checkpoint(trainer)
             else:
-                trainer.train()
+                train(trainer)
         dist.barrier()
     except ConfigError as e:
         code = report(f"titanlite: config error: {e}", 2)
