@@ -29,7 +29,7 @@ def section(cls):
     return field(default_factory=cls)
 
 
-
+# What to use instead, for keys whose feature titanlite lacks.
 NO_MOE = "titanlite's MoE family does not have it yet (its routed experts run in high precision, without DualPipeV overlap)"
 NO_TORCHFT = "titanlite has no TorchFT integration; restarts resume from checkpoints (MAX_RESTARTS)"
 NO_MX = "MX formats are not implemented; use model.converters = [\"float8\"]"

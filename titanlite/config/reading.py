@@ -87,7 +87,6 @@ def _check_choices(key: str, value) -> None:
             raise ConfigError(f"{key}={value!r}: {shown} is not implemented in titanlite; {unsupported[item]}")
 
 
-
 def _assign(config: JobConfig, key: str, raw) -> None:
     key = check_key(key)
     value = _convert(key, raw)
@@ -184,7 +183,6 @@ def _tie_validation_to_training(config: JobConfig, from_file: dict, from_cli: se
         tied_in_file = from_file.get(key, default_value(LEAVES[key][0])) == from_file.get(training_key, default_value(LEAVES[training_key][0]))
         if key not in from_cli and (key not in from_file or tied_in_file):
             setattr(config.validation, name, getattr(config.training, name))
-
 
 
 def help_text() -> str:

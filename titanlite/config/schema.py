@@ -490,4 +490,3 @@ class JobConfig:
 
 def float8_recipe(f8: Float8Linear) -> str:
     return f8.recipe_name or "tensorwise"
-

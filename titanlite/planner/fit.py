@@ -132,4 +132,3 @@ def fit_constants(runs: list[PublishedRun], rounds: int = 10, restarts: int = 0,
     for k, value in best.items():
         put(*k, value)
     return {name: getattr(module, name) for name in FITTED}
-

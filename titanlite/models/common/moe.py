@@ -231,4 +231,3 @@ def update_expert_bias(layers: list[MoE], counts: torch.Tensor) -> None:
             layer.expert_bias += (delta - delta.mean()).float()
         layer.tokens_per_expert.zero_()
         layer.aux_loss_sum.zero_()
-

@@ -138,4 +138,3 @@ def iter_hf(folder: Path):
     for key, tensor in hf_tensors(folder):
         if converted := from_hf_tensor(key, tensor, heads, kv_heads):
             yield converted
-

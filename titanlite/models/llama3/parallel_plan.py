@@ -103,7 +103,6 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -
     return {name: style for name, style in plan.items() if style is not None and getattr(model, name) is not None}
 
 
-
 def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
     """A block; under TP its attention and feed_forward (parallel/compile.py says why)."""
     inner = getattr(block, "_checkpoint_wrapped_module", block)
