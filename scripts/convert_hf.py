@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from titanlite.checkpoint.checkpointer import write_hf
 from titanlite.checkpoint.reader import read_tensor_metadata
 from titanlite.config import ConfigError
-from titanlite.checkpoint.hf import load_hf
+from titanlite.models.hf import load_hf
 from titanlite.models import FAMILIES
 
 

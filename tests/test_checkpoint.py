@@ -376,7 +376,7 @@ def test_qwen3_moe_weights_round_trip_through_hugging_face_names(tmp_path):
     written in Hugging Face's names and layout (one tensor per expert, q/k rows as halves) in shards,
     reads back equal; a nonzero expert bias is refused, as Qwen3-MoE has none."""
     from titanlite.config import ConfigError
-    from titanlite.checkpoint.hf import load_hf
+    from titanlite.models.hf import load_hf
     from titanlite.models.moe.hf import save_hf
     from titanlite.models import model_args
     from titanlite.models.moe.model import MoETransformer
@@ -399,7 +399,7 @@ def test_qwen3_moe_weights_round_trip_through_hugging_face_names(tmp_path):
 def test_hugging_face_import_picks_the_family_by_model_type(tmp_path):
     """load_hf reads a folder through the mapping of the family config.json's model_type names, and
     refuses, in one line, an architecture no family maps."""
-    from titanlite.checkpoint.hf import load_hf
+    from titanlite.models.hf import load_hf
     from titanlite.config import ConfigError
     from titanlite.models import FAMILIES, family_of_hf_model
 
@@ -460,7 +460,7 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
     torchrun(2, tiny_args(corpus_jsonl, tmp_path / "ep2", *run))
     exported = tmp_path / "ep2" / "checkpoint" / "step-2"
     trained = transformers.Qwen3MoeForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
-    from titanlite.checkpoint.hf import load_hf
+    from titanlite.models.hf import load_hf
 
     ours.load_state_dict(load_hf(exported))
     with torch.no_grad():

@@ -49,7 +49,7 @@ def check(config: JobConfig, world_size: int) -> None:
         split_source(config, "validation")
     found = checkpoint_to_load(config)
     if found is not None:
-        from titanlite.checkpoint.reader import check_checkpoint_files  # imports torch (DCP's metadata classes
+        from titanlite.checkpoint.reader import check_checkpoint_files  # imports torch (DCP's metadata classes)
 
         check_checkpoint_files(found[0], checkpoint_folder(config), own=found[1])
 

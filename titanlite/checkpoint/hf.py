@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from titanlite.errors import ConfigError
-from titanlite.models import family_of_hf_model
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers writes by default (5 GB)
 
@@ -103,10 +102,3 @@ def check_config_values(config: dict, expected: dict, folder: Path) -> None:
                 f"Hugging Face checkpoint '{folder}' has {key}={found}, the model being trained {value}; choose the "
                 "model.flavor (and tokenizer) the checkpoint was made for"
             )
-
-
-def load_hf(folder: Path) -> dict:
-    """Every weight of a Hugging Face folder as a titanlite state dict, through the mapping of the
-    family whose architecture config.json names (scripts/convert_hf.py from-hf)."""
-    config = read_hf_config(folder)[0]
-    return dict(family_of_hf_model(config.get("model_type"), folder).plan.hf.iter_hf(folder))
