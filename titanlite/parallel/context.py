@@ -6,10 +6,10 @@ with cp ranks the sequence is cut into 2*cp chunks and rank r holds chunks r and
 causal work is even).
 
 Causal attention: torch routes SDPA to its ring over the cp group, whose KV shards rotate by
-all-gather or all-to-all. torch (2.11 to 2.14) registers ring handlers only for the CUDA SDPA
+all-gather or all-to-all. torch (2.11 to 2.15) registers ring handlers only for the CUDA SDPA
 kernels; on CPU, `register_cpu_ring_attention` sends the CPU flash-attention kernel (forward and
 backward) through the same ring (torch's `_templated_ring_attention`). These are private torch
-APIs (looked up where 2.11-2.14 keep them); the parity tests pin their behaviour.
+APIs (looked up where 2.11-2.15 keep them); the parity tests pin their behaviour.
 
 Document-masked (block_causal) attention: torch's ring takes no mask, so `apply_cp` swaps each
 block's core attention (models/common/attention.py's CoreAttention, which every family's attention calls)

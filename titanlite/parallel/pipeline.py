@@ -20,7 +20,9 @@ from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 
 V_SCHEDULES = ("zbvzerobubble", "dualpipev")
-BACKWARD_ACTIONS = ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD")
+BACKWARD_ACTIONS = ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD",
+                    # torch >= 2.15 pairs each send and REDUCE_GRAD with a WAIT_ action
+                    "WAIT_SEND_B", "WAIT_REDUCE_GRAD")
 
 
 def schedule_class(name: str):
