@@ -102,3 +102,43 @@ def check_config_values(config: dict, expected: dict, folder: Path) -> None:
                 f"Hugging Face checkpoint '{folder}' has {key}={found}, the model being trained {value}; choose the "
                 "model.flavor (and tokenizer) the checkpoint was made for"
             )
+
+
+FP8_BLOCK = 128  # DeepSeek-V3's released weights: one scale per 128 x 128 block
+
+
+def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with float8_e4m3fn weights multiplied out by their `<name>_scale_inv`
+    (one float32 scale per FP8_BLOCK x FP8_BLOCK block, DeepSeek-V3's release format) into float32.
+    A weight waits here until its scale has been read (and a scale for its weight)."""
+    weights, scales = {}, {}
+    for name, t in tensors:
+        if name.endswith(".weight_scale_inv"):
+            scales[name.removesuffix("_scale_inv")] = t
+        elif t.dtype == torch.float8_e4m3fn:
+            weights[name] = t
+        else:
+            yield name, t
+            continue
+        base = name.removesuffix("_scale_inv")
+        if base in weights and base in scales:
+            yield base, _multiply_blocks(weights.pop(base), scales.pop(base), folder, base)
+    if weights or scales:
+        name = next(iter(weights or scales))
+        found, missing = (f"float8 weight {name}", f"{name}_scale_inv") if weights else (f"{name}_scale_inv", f"float8 weight {name}")
+        raise ConfigError(
+            f"Hugging Face checkpoint '{folder}' has {found} without {missing}; use the complete checkpoint (DeepSeek's "
+            "float8 weights come with one scale per 128x128 block)"
+        )
+
+
+def _multiply_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, folder: Path, name: str) -> torch.Tensor:
+    rows, cols = weight.shape
+    blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if tuple(scale_inv.shape) != blocks:
+        raise ConfigError(
+            f"Hugging Face checkpoint '{folder}': {name}_scale_inv has shape {tuple(scale_inv.shape)}, and a {rows}x{cols} "
+            f"weight in {FP8_BLOCK}x{FP8_BLOCK} blocks needs {blocks}; use the checkpoint's own scales"
+        )
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return weight.float() * scale

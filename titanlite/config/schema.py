@@ -85,6 +85,10 @@ class Model:
     n_layers: int = opt(
         0, "transformer blocks; 0 = the flavor's (fewer: a big model's shape on fewer GPUs)", extension=True
     )
+    flavor_overrides: list[str] = opt(
+        [], "the flavor's shapes changed, as name=value (e.g. n_group=4,topk_group=2,mtp_depth=0); names: the family's args",
+        extension=True,
+    )
     moe_grouped_mm: bool = opt(
         True, "MoE experts through torch._grouped_mm; false: an exact loop over experts (same results)", extension=True
     )

@@ -7,6 +7,7 @@ from titanlite.config.keys import LEAVES, default_value, get
 from titanlite.config.schema import FLOAT8_CONVERTERS, JobConfig, float8_recipe
 from titanlite.errors import ConfigError
 from titanlite.models import FAMILIES
+from titanlite.models.common.args import with_overrides
 
 
 def _require(ok: bool, message: str) -> None:
@@ -43,7 +44,8 @@ def validate(config: JobConfig) -> None:
         f"model.reset_position_ids=true restarts RoPE positions at each document, but attention is {mask_type} over the "
         "whole window; set model.attn_mask_type='block_causal', or reset_position_ids=false",
     )
-    FAMILIES[config.model.name].check_config(config.model)
+    # The flavor's shapes as the config changes them: the family checks its own [model] keys against them.
+    FAMILIES[config.model.name].check_config(config.model, with_overrides(flavors[config.model.flavor], config.model.flavor_overrides))
     t, m, p, v, c = config.training, config.metrics, config.parallelism, config.validation, config.checkpoint
     for name, value in [
         ("training.local_batch_size", t.local_batch_size),

@@ -1,6 +1,6 @@
 """Model registry: [model] name -> ModelFamily; + flavor -> ModelArgs -> nn.Module.
 
-One folder per family (llama3/, moe/), each registering a ModelFamily; layers they share sit in
+One folder per family (llama3/, moe/, deepseek_v3/), each registering a ModelFamily; layers they share sit in
 common/. Torch-free: the config and run_train.sh's checks read the families' flavors and checks.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from titanlite.errors import ConfigError
-from titanlite.models import llama3, moe
-from titanlite.models.common.args import ModelArgs, MoEArgs
+from titanlite.models import deepseek_v3, llama3, moe
+from titanlite.models.common.args import ModelArgs, MoEArgs, with_overrides
 from titanlite.models.family import ModelFamily
 
-FAMILIES = {family.name: family for family in (llama3.FAMILY, moe.FAMILY)}
+FAMILIES = {family.name: family for family in (llama3.FAMILY, moe.FAMILY, deepseek_v3.FAMILY)}
 
 
 def family_of_hf_model(model_type: str | None, folder) -> ModelFamily:
@@ -37,6 +37,7 @@ def model_args(name: str, flavor: str, vocab_size: int, seq_len: int, n_layers: 
     if model_config is None:
         return args
     m = model_config
+    args = with_overrides(args, m.flavor_overrides)
     args = replace(
         args,
         attn_mask_type=m.attn_mask_type or args.attn_mask_type,

@@ -20,7 +20,7 @@ class ModelFamily:
     name: str
     flavors: dict[str, ModelArgs]
     check: Callable[[ModelArgs, object], None]  # the shapes against the layout (ParallelDims); ConfigError
-    check_config: Callable[[object], None]  # the config's [model] section: keys of the family's own; ConfigError
+    check_config: Callable[[object, ModelArgs], None]  # the config's [model] section and the shapes it gives; ConfigError
     plan_module: str  # where PLAN lives
     check_hf_export: Callable[[ModelArgs], None] = lambda args: None  # a Hugging Face architecture to export to
     hf_model_type: str | None = None  # config.json's model_type of that architecture (its mapping: plan.hf)

@@ -36,7 +36,21 @@ class FusedColwiseParallel(ParallelStyle):
     @staticmethod
     def _local_operands(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
         x, *weights = inputs
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-        x = x.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        return (x, *(w.to_local() for w in weights))
+        return (shared_by_heads(x, device_mesh), *(w.to_local() for w in weights))
+
+
+def shared_by_heads(x, device_mesh: DeviceMesh):
+    """`x`, the same on every tp rank, as the local tensor that each rank's heads read; its gradient
+    (a partial sum over the ranks' heads) is summed over them in backward."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+    return x.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+class SharedByHeads(ParallelStyle):
+    """For a module (an identity) whose input every tp rank holds whole and uses for its own heads
+    (MLA's RoPE key part, which all heads share): backward sums the ranks' gradients, as Megatron's
+    copy to the tensor-parallel region does."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=lambda m, inputs, mesh: (shared_by_heads(inputs[0], mesh),))

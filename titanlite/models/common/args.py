@@ -4,7 +4,7 @@ against them before launching). Each family's flavors and checks sit in its own 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from titanlite.errors import ConfigError
 
@@ -36,6 +36,11 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each query/key head that RoPE rotates."""
+        return self.head_dim
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -77,7 +82,10 @@ class ModelArgs:
         forward + backward) without halving for the causal mask, as PaLM, nanoGPT and TorchTitan do.
         """
         weights = self.num_params(exclude_embedding=True, active=True)
-        return 6 * weights + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * weights + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> int:
+        return 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def with_vocab(self, tokenizer_vocab: int) -> "ModelArgs":
         """Flavors with vocab_size 0 take the tokenizer's, padded to a multiple of 64 so the embedding
@@ -109,6 +117,10 @@ class MoEArgs(ModelArgs):
     score_func: str = "softmax"  # router scores: softmax or sigmoid
     route_norm: bool = False  # renormalize the top-k scores to sum to 1
     route_scale: float = 1.0
+    # Group-limited routing (DeepSeek-V3): the experts form `n_group` groups, and each token picks its
+    # top_k among the `topk_group` groups whose two best experts score highest. 1 and 1: no limit.
+    n_group: int = 1
+    topk_group: int = 1
     # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step the expert bias (added to
     # the scores for choosing, never for weighting) moves by this much towards balance. 0: off.
     load_balance_coeff: float = 1e-3
@@ -127,3 +139,34 @@ class MoEArgs(ModelArgs):
             return super().feed_forward_params(layer)
         experts = (self.top_k if active else self.num_experts) + self.num_shared_experts
         return self.dim + self.dim * self.num_experts + experts * 3 * self.dim * self.moe_hidden_dim  # + router
+
+
+def with_overrides(args: ModelArgs, pairs: list[str]) -> ModelArgs:
+    """The args with `name=value` pairs (the config's model.flavor_overrides) replacing the flavor's
+    fields, each value read as its field's type; ConfigError naming a pair that does not fit."""
+    types = {f.name: f.type for f in fields(args)}
+    changes = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip()
+        if not sep or name not in types:
+            raise ConfigError(
+                f"model.flavor_overrides entry '{pair}' is not name=value with a name of the flavor's shape; "
+                f"names: {', '.join(types)}"
+            )
+        kind = types[name] if isinstance(types[name], str) else types[name].__name__
+        try:
+            changes[name] = _read_value(kind, text.strip())
+        except ValueError:
+            raise ConfigError(f"model.flavor_overrides entry '{pair}': '{text.strip()}' is not a valid {kind} for {name}")
+    return replace(args, **changes)
+
+
+def _read_value(kind: str, text: str):
+    if kind == "bool":
+        if text.lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.lower() == "true"
+    if kind.startswith("float"):
+        return None if kind.endswith("None") and text.lower() == "none" else float(text)
+    return {"int": int, "str": str}[kind](text)

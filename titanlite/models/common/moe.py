@@ -44,16 +44,28 @@ class Router(nn.Module):
         self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
         self.top_k, self.score_func = args.top_k, args.score_func
         self.route_norm, self.route_scale = args.route_norm, args.route_scale
+        self.n_group, self.topk_group = args.n_group, args.topk_group
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (tokens, dim) -> (weights (tokens, k), chosen experts (tokens, k), scores (tokens, experts))."""
         logits = self.gate(x).float()
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
-        chosen = (scores + expert_bias).topk(self.top_k, dim=-1).indices
+        chosen = self.within_best_groups(scores + expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
         if self.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, chosen, scores
+
+    def within_best_groups(self, choice_scores: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: each group of experts scores the sum of its two best experts' choice
+        scores; experts outside a token's `topk_group` best groups get -inf (cannot be chosen)."""
+        if self.n_group <= 1:
+            return choice_scores
+        tokens, experts = choice_scores.shape
+        grouped = choice_scores.view(tokens, self.n_group, experts // self.n_group)
+        best_groups = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.topk_group, dim=-1).indices
+        outside = torch.ones(tokens, self.n_group, dtype=torch.bool, device=choice_scores.device).scatter_(1, best_groups, False)
+        return grouped.masked_fill(outside.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 class GroupedExperts(nn.Module):

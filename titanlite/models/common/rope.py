@@ -1,4 +1,4 @@
-"""Rotary position embedding: the table (theta, with Llama 3.1's frequency scaling) and its
+"""Rotary position embedding: the table (theta, with Llama 3.1's frequency scaling or YaRN's) and its
 application to each head, in Meta's layout (consecutive pairs rotate together)."""
 
 from __future__ import annotations
@@ -10,14 +10,21 @@ import torch
 from titanlite.models.common.args import ModelArgs
 
 
-def rope_cache(args: ModelArgs, seq_len: int, device=None) -> torch.Tensor:
-    """(seq_len, head_dim) table: cos of each rotation frequency in the first half, sin in the second."""
-    half = args.head_dim // 2
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
-    if args.rope_scaling:
-        freqs = _llama31_scaled(freqs)
+def rope_cache(args: ModelArgs, seq_len: int, device=None, freqs: torch.Tensor | None = None, amplitude: float = 1.0) -> torch.Tensor:
+    """(seq_len, rope_dim) table: cos of each rotation frequency in the first half, sin in the second.
+    `freqs`: the frequencies (default: theta's, Llama 3.1-scaled where the args say); `amplitude`
+    scales cos and sin (YaRN's attention factor)."""
+    if freqs is None:
+        freqs = rope_frequencies(args.rope_dim, args.rope_theta, device)
+        if args.rope_scaling:
+            freqs = _llama31_scaled(freqs)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1) * amplitude
+
+
+def rope_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
+    half = dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
 
 
 def _llama31_scaled(freqs: torch.Tensor, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_ctx=8192):
@@ -28,6 +35,22 @@ def _llama31_scaled(freqs: torch.Tensor, factor=8.0, low_freq_factor=1.0, high_f
     blended = (1 - smooth) * freqs / factor + smooth * freqs
     scaled = torch.where(wavelen > low_wavelen, freqs / factor, blended)
     return torch.where(wavelen < high_wavelen, freqs, scaled)
+
+
+def yarn_frequencies(
+    dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: float, beta_slow: float, device=None
+) -> torch.Tensor:
+    """YaRN (Peng et al. 2023), as DeepSeek applies it: frequencies that turn more than `beta_fast`
+    times over the original context are kept, those turning fewer than `beta_slow` times are divided
+    by `factor`, and a linear ramp over the dims in between blends the two (its ends rounded outwards)."""
+    freqs = rope_frequencies(dim, theta, device)
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency turns `turns` times over the context
+        return dim * math.log(original_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim_turning(beta_fast)), 0), min(math.ceil(dim_turning(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return freqs / factor * ramp + freqs * (1 - ramp)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

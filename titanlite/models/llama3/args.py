@@ -50,7 +50,7 @@ def check_llama3(args: ModelArgs, dims) -> None:
 EXPERT_KEYS = ("moe_grouped_mm", "moe_load_balance_coeff", "moe_aux_loss_coeff")
 
 
-def check_config(model) -> None:
+def check_config(model, args: ModelArgs) -> None:
     """The [model] keys of experts stay at their defaults (`model`: the config's Model section)."""
     defaults = type(model)()
     for name in EXPERT_KEYS:

@@ -21,13 +21,14 @@ from titanlite.models.common.rope import rope_cache
 
 
 class TransformerBlock(nn.Module):
-    """Attention, then a feed-forward: Llama's SwiGLU unless given another (a mixture of experts)."""
+    """Attention, then a feed-forward: Llama's GQA and SwiGLU unless given others (latent attention, a
+    mixture of experts)."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None):
+    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None, attention: nn.Module | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = attention or Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = feed_forward or FeedForward(args.dim, args.ffn_hidden_dim, args.fused_projections)
 
@@ -45,7 +46,10 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed after materialization, never checkpointed.
-        self.register_buffer("rope", rope_cache(args, args.max_seq_len), persistent=False)
+        self.register_buffer("rope", self.rope_table(), persistent=False)
+
+    def rope_table(self, device=None) -> torch.Tensor:
+        return rope_cache(self.args, self.args.max_seq_len, device)
 
     def make_block(self, layer_id: int, args: ModelArgs) -> nn.Module:
         return TransformerBlock(layer_id, args)
@@ -108,7 +112,7 @@ class Transformer(nn.Module):
         assign = assign or (lambda param, value: param.copy_(value))
         for name, param in self.named_parameters():
             assign(param, self.initial_value(canonical_fqn(name), param.shape, param.device, seed))
-        self.rope = rope_cache(self.args, self.args.max_seq_len, device=self.rope.device)
+        self.rope = self.rope_table(self.rope.device)
         for module in self.modules():
             if module is not self and hasattr(module, "reset_state"):
                 module.reset_state()  # state buffers (a MoE's expert bias) start from zero

@@ -70,8 +70,27 @@ def check_moe(args: MoEArgs, dims) -> None:
             f"the MoE flavor routes each token to top_k={args.top_k} of num_experts={args.num_experts} experts; "
             f"choose 1 <= top_k <= {args.num_experts}"
         )
+    check_groups(args)
     if args.score_func not in ("softmax", "sigmoid"):
         raise ConfigError(f"MoE score_func='{args.score_func}' is not softmax or sigmoid; choose one of them")
+
+
+def check_groups(args: MoEArgs) -> None:
+    """Group-limited routing: groups split the experts evenly, at least two each (a group scores its
+    two best), and the chosen groups hold at least top_k experts."""
+    n_group, topk_group = args.n_group, args.topk_group
+    if n_group < 1 or args.num_experts % n_group or (n_group > 1 and args.num_experts // n_group < 2):
+        raise ConfigError(
+            f"n_group={n_group} must divide num_experts={args.num_experts} into groups of 2 or more experts; "
+            "choose such a divisor (1: no group limit)"
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ConfigError(f"topk_group={topk_group} must be between 1 and n_group={n_group}; choose 1 <= topk_group <= {n_group}")
+    if topk_group * (args.num_experts // n_group) < args.top_k:
+        raise ConfigError(
+            f"topk_group={topk_group} groups of {args.num_experts // n_group} experts hold fewer than top_k={args.top_k}; "
+            "raise topk_group or lower top_k"
+        )
 
 
 def check_hf_exportable(args: MoEArgs) -> None:
@@ -80,7 +99,7 @@ def check_hf_exportable(args: MoEArgs) -> None:
     differences = [
         (not args.qk_norm, "no q/k head norms"), (args.num_shared_experts, "shared experts"),
         (args.score_func != "softmax", f"{args.score_func} scores"), (args.route_scale != 1.0, "a route scale"),
-        (args.rope_scaling, "Llama 3.1 RoPE scaling"), (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"),
+        (args.rope_scaling, "Llama 3.1 RoPE scaling"), (args.n_group > 1, "group-limited routing"), (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"),
     ]
     if found := [what for differs, what in differences if differs]:
         raise ConfigError(
@@ -90,8 +109,10 @@ def check_hf_exportable(args: MoEArgs) -> None:
         )
 
 
-def check_config(model) -> None:
-    """The [model] keys of this family's own (`model`: the config's Model section)."""
+def check_config(model, args: MoEArgs) -> None:
+    """The [model] keys of this family's own (`model`: the config's Model section), and the routing
+    shapes (`args`: the flavor's, as model.flavor_overrides changes them)."""
+    check_groups(args)
     for name in ("moe_load_balance_coeff", "moe_aux_loss_coeff"):
         value = getattr(model, name)
         if value is not None and value < 0:

@@ -1,0 +1,156 @@
+"""The DeepSeek-V3 family on one process: published sizes, the logits of transformers'
+DeepseekV3ForCausalLM (import and export, group-limited routing and the route scale exercised),
+DeepSeek's float8 release format, YaRN, and the shape checks. Layouts: test_parallel_parity.py."""
+
+import json
+
+import pytest
+import torch
+
+from titanlite.config import ConfigError, parse_args
+from titanlite.models import build_model, model_args
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+
+
+# Published totals and activated parameters in billions (DeepSeek-V2-Lite's and V3's model cards;
+# DeepSeek counts activated parameters without the embedding). V3's release adds 14B for its MTP
+# module, which stores the embedding and output head again.
+@pytest.mark.parametrize("flavor, total, active, mtp", [("16B", 15.7, 2.4, 0.0), ("671B", 671.0, 37.0, 14.0)])
+def test_flavors_have_the_published_sizes(flavor, total, active, mtp):
+    args = model_args("deepseek_v3", flavor, 0, 4096)
+    model = build_model("deepseek_v3", args)
+    assert model.num_params() == args.num_params() + args.mtp_params()  # the planner counts from the shapes alone
+    assert args.num_params() / 1e9 == pytest.approx(total, rel=0.01)
+    assert args.num_params(exclude_embedding=True, active=True) / 1e9 == pytest.approx(active, rel=0.03)
+    assert args.mtp_params(with_shared=True) / 1e9 == pytest.approx(mtp, rel=0.05, abs=1e-9)
+
+
+def hf_config(**overrides):
+    """A small DeepseekV3Config: 8 experts in 4 groups of which 2 are chosen, sigmoid scores scaled by 2.5."""
+    settings = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+        kv_lora_rank=24, q_lora_rank=40, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=64,
+        rms_norm_eps=1e-6, initializer_range=0.1, num_nextn_predict_layers=0,
+    )
+    return transformers.DeepseekV3Config(**(settings | overrides))
+
+
+def our_args(config, **overrides):
+    """The titanlite args of the same shapes, through model.flavor_overrides as a user would write them."""
+    c = config
+    pairs = dict(
+        dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads, n_kv_heads=c.num_attention_heads,
+        dense_hidden_dim=c.intermediate_size, moe_hidden_dim=c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
+        num_experts=c.n_routed_experts, route_scale=c.routed_scaling_factor, kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank or 0, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+        qk_nope_head_dim=c.qk_nope_head_dim, n_group=c.n_group, topk_group=c.topk_group, top_k=c.num_experts_per_tok,
+        n_dense_layers=c.first_k_dense_replace, mtp_depth=0,
+    ) | overrides
+    config = parse_args(["--model.name", "deepseek_v3", "--model.flavor_overrides", ",".join(f"{k}={v}" for k, v in pairs.items())])
+    return model_args("deepseek_v3", "debugmodel", c.vocab_size, c.max_position_embeddings, model_config=config.model)
+
+
+def random_reference(config):
+    torch.manual_seed(0)
+    reference = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1 and a nonzero expert bias, so misplaced ones show
+        for name, p in reference.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for name, b in reference.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    return reference
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7}
+
+
+@pytest.mark.parametrize("variant", ["q_lora", "no_q_lora_yarn"])
+def test_hugging_face_import_and_export_match_transformers(variant, tmp_path):
+    """A random DeepseekV3ForCausalLM imports with its logits (fp32, 1e-4), and our model exports to
+    weights transformers loads with the same logits. Group-limited routing changes the result here."""
+    from titanlite.models.deepseek_v3.hf import save_hf
+    from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
+    from titanlite.models.hf import load_hf
+
+    if variant == "q_lora":
+        config, extra = hf_config(), {}
+    else:  # V2-Lite's attention (no query compression) with YaRN past 16 positions, mscale != mscale_all_dim
+        config = hf_config(q_lora_rank=None, rope_parameters=YARN)
+        extra = dict(yarn_factor=4.0, yarn_original_seq_len=16, yarn_mscale=0.9, yarn_mscale_all_dim=0.7)
+    reference = random_reference(config)
+    reference.save_pretrained(str(tmp_path / "hf"))
+    args = our_args(config, **extra)
+    ours = DeepSeekV3Transformer(args).eval()
+    ours.load_state_dict(load_hf(tmp_path / "hf"))
+    tokens = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-4)
+        unlimited = DeepSeekV3Transformer(our_args(config, topk_group=4, **extra)).eval()
+        unlimited.load_state_dict(ours.state_dict())
+        assert (unlimited(tokens) - expected).abs().max() > 1e-2  # the group limit changed some token's experts
+
+    state = ours.state_dict()
+    save_hf(lambda names: {n: state[n] for n in names}, {n: w.numel() for n, w in state.items()}, args, tmp_path / "out", torch.float32)
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_float8_release_weights_are_multiplied_out_by_their_block_scales(tmp_path):
+    """DeepSeek-V3's release format: float8_e4m3fn weights with a float32 weight_scale_inv per 128x128
+    block (edge blocks partial). Import gives weight * scale, block by block."""
+    from safetensors.torch import save_file
+
+    from titanlite.models.hf import load_hf
+
+    config = hf_config(hidden_size=160, num_hidden_layers=1, first_k_dense_replace=1, intermediate_size=200)
+    reference = random_reference(config)
+    reference.save_pretrained(str(tmp_path / "hf"))
+    weights = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"] if (
+        tmp_path / "hf" / "model.safetensors.index.json").exists() else None
+    assert weights is None
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    gen = torch.Generator().manual_seed(2)
+    expected = {}
+    for name in ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"]:
+        rows, cols = tensors[name].shape
+        scale_inv = torch.rand(-(-rows // 128), -(-cols // 128), generator=gen) + 0.5
+        fp8 = (tensors[name] * 100).to(torch.float8_e4m3fn)
+        full = torch.empty(rows, cols)
+        for i in range(rows):  # the formula, element by element over rows
+            full[i] = fp8[i].float() * scale_inv[i // 128].repeat_interleave(128)[:cols]
+        tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = fp8, scale_inv
+        expected[name] = full
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    state = load_hf(tmp_path / "hf")
+    assert torch.equal(state["layers.0.feed_forward.w1.weight"], expected["model.layers.0.mlp.gate_proj.weight"])
+    assert torch.equal(state["layers.0.attention.wkv_b.weight"], expected["model.layers.0.self_attn.kv_b_proj.weight"])
+
+    del tensors["model.layers.0.mlp.gate_proj.weight_scale_inv"]
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="float8 weight model.layers.0.mlp.gate_proj.weight without .*weight_scale_inv"):
+        load_hf(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("pairs, message", [
+    ("n_group=4,topk_group=5", "topk_group=5 must be between 1 and n_group=4"),
+    ("n_group=3", "n_group=3 must divide num_experts=8"),
+    ("kv_lora_rank=0", "needs kv_lora_rank > 0"),
+    ("qk_rope_head_dim=15", "qk_rope_head_dim=15 must be even"),
+    ("n_group=4,topk_group=1,top_k=3", "topk_group=1 groups of 2 experts hold fewer than top_k=3"),
+    ("kv_rank=3", "model.flavor_overrides entry 'kv_rank=3' is not name=value with a name of the flavor's shape"),
+    ("n_group=two", "'two' is not a valid int for n_group"),
+])
+def test_bad_shapes_are_refused_before_launch(pairs, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--model.name", "deepseek_v3", "--model.flavor_overrides", pairs])

@@ -1,0 +1,125 @@
+"""DeepSeek-V3's Hugging Face mapping: DeepseekV3ForCausalLM's names and config.json.
+
+MLA's RoPE parts are stored interleaved (config.json's rope_interleave), the layout titanlite
+rotates, so no weight is permuted. Routed experts are one (experts, out, in) tensor per projection
+here and one Linear weight per expert there (the Hub's layout, which transformers merges on load);
+the expert bias is DeepSeek's e_score_correction_bias. DeepSeek's released weights are float8 with
+one scale per 128x128 block: import multiplies them out (titanlite/checkpoint/hf.py's dequantized).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, dequantized, hf_tensors, read_hf_config, write_shards
+from titanlite.models.deepseek_v3.args import DeepSeekV3Args, check_hf_exportable
+from titanlite.models.llama3 import hf as llama3_hf
+
+LAYER_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
+    "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+} | {
+    f"feed_forward.{ours}{part}.weight": f"mlp.{theirs}{proj}.weight"
+    for ours, theirs in (("", ""), ("shared_experts.", "shared_experts."))
+    for part, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+}
+HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
+EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+HF_EXPERT_NAMES = {v: k for k, v in EXPERT_NAMES.items()}
+EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
+HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def to_hf_tensors(name: str, w: torch.Tensor, args: DeepSeekV3Args) -> list[tuple[str, torch.Tensor]]:
+    if name in llama3_hf.TOP_NAMES:
+        return [(llama3_hf.TOP_NAMES[name], w)]
+    if match := EXPERTS.match(name):
+        layer, projection = match.group(1), EXPERT_NAMES[match.group(2)]
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", w[e]) for e in range(w.shape[0])]
+    layer, rest = llama3_hf.LAYER.match(name).groups()
+    return [(f"model.layers.{layer}.{LAYER_NAMES[rest]}", w)]
+
+
+def hf_config(args: DeepSeekV3Args, dtype: torch.dtype) -> dict:
+    check_hf_exportable(args)
+    rope_scaling = None
+    if args.yarn_factor > 1:
+        rope_scaling = {
+            "type": "yarn", "factor": args.yarn_factor, "original_max_position_embeddings": args.yarn_original_seq_len,
+            "beta_fast": args.yarn_beta_fast, "beta_slow": args.yarn_beta_slow, "mscale": args.yarn_mscale,
+            "mscale_all_dim": args.yarn_mscale_all_dim,
+        }
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
+        "moe_intermediate_size": args.moe_hidden_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_heads,
+        "n_shared_experts": args.num_shared_experts, "n_routed_experts": args.num_experts,
+        "routed_scaling_factor": args.route_scale, "kv_lora_rank": args.kv_lora_rank,
+        "q_lora_rank": args.q_lora_rank or None, "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim, "qk_nope_head_dim": args.qk_nope_head_dim, "n_group": args.n_group,
+        "topk_group": args.topk_group, "num_experts_per_tok": args.top_k, "first_k_dense_replace": args.n_dense_layers,
+        "norm_topk_prob": args.route_norm, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": rope_scaling,
+        "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": args.mtp_depth, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+# ---- the adapter the checkpointer calls (ParallelPlan.hf) ----
+
+
+def save_hf(read, sizes: dict[str, int], args: DeepSeekV3Args, folder: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
+    write_shards(read, sizes, folder, dtype, lambda name, w: to_hf_tensors(name, w, args), hf_config(args, dtype), shard_bytes)
+
+
+def check_hf_shapes(config: dict, args: DeepSeekV3Args, folder: Path) -> None:
+    expected = {
+        "hidden_size": (args.dim, None), "num_hidden_layers": (args.n_layers, None), "num_attention_heads": (args.n_heads, None),
+        "vocab_size": (args.vocab_size, None), "intermediate_size": (args.ffn_hidden_dim, None),
+        "moe_intermediate_size": (args.moe_hidden_dim, None), "n_routed_experts": (args.num_experts, None),
+        "n_shared_experts": (args.num_shared_experts, None), "num_experts_per_tok": (args.top_k, None),
+        "first_k_dense_replace": (args.n_dense_layers, None), "kv_lora_rank": (args.kv_lora_rank, None),
+        "q_lora_rank": (args.q_lora_rank, 0), "qk_rope_head_dim": (args.qk_rope_head_dim, None),
+        "qk_nope_head_dim": (args.qk_nope_head_dim, None), "v_head_dim": (args.v_head_dim, None),
+        "n_group": (args.n_group, 1), "topk_group": (args.topk_group, 1),
+    }
+    check_config_values(config, expected, folder)
+
+
+def iter_hf(folder: Path):
+    """(titanlite name, tensor) of each weight, one tensor in memory at a time (routed experts: one
+    projection of one layer, gathered from its experts' weights; float8 weights multiplied out)."""
+    config, _, _ = read_hf_config(folder)
+    n_layers, experts = config["num_hidden_layers"], config.get("n_routed_experts")
+    gathering: dict[str, dict[int, torch.Tensor]] = {}
+    for key, tensor in dequantized(hf_tensors(folder), folder):
+        if key in llama3_hf.HF_TOP_NAMES:
+            yield llama3_hf.HF_TOP_NAMES[key], tensor
+            continue
+        match = llama3_hf.HF_LAYER.match(key)
+        if not match or int(match.group(1)) >= n_layers:
+            continue  # multi-token prediction's layers (after the model's) and buffers titanlite has none of
+        if expert := HF_EXPERT.match(key):
+            layer, index, projection = expert.groups()
+            name = f"layers.{layer}.feed_forward.experts.{HF_EXPERT_NAMES[projection]}"
+            gathered = gathering.setdefault(name, {})
+            gathered[int(index)] = tensor
+            if len(gathered) == experts:
+                yield name, torch.stack([gathered[e] for e in range(experts)])
+                del gathering[name]
+        elif match.group(2) in HF_LAYER_NAMES:
+            yield f"layers.{match.group(1)}.{HF_LAYER_NAMES[match.group(2)]}", tensor

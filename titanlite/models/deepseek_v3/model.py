@@ -1,0 +1,94 @@
+"""DeepSeek-V3 as a plain nn.Module: multi-head latent attention (MLA) with YaRN RoPE, Llama's block
+around it, DeepSeek's mixture of experts (group-limited sigmoid routing, shared experts; the layer:
+models/common/moe.py) from block `n_dense_layers` on. Parameter names follow TorchTitan's DeepSeek-V3.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.common.attention import CoreAttention, DocumentMask
+from titanlite.models.common.linear import FusedLinear, plain_linears
+from titanlite.models.common.moe import MoE
+from titanlite.models.common.rope import apply_rope, rope_cache, yarn_frequencies
+from titanlite.models.deepseek_v3.args import DeepSeekV3Args
+from titanlite.models.llama3.model import Transformer, TransformerBlock
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek's (and Hugging Face's) latent norms use this whatever norm_eps says
+
+
+class LatentAttention(nn.Module):
+    """MLA. Queries: wq (or wq_a -> q_norm -> wq_b, through a `q_lora_rank` latent), per head a part
+    without position and a RoPE part. Keys and values: wkv_a gives a `kv_lora_rank` latent and one RoPE
+    key part shared by all heads; kv_norm -> wkv_b expands the latent to each head's key part and value.
+
+    Values are zero-padded to the query/key head dim before the core attention, and the output cut
+    back: every kernel (SDPA's flash, torch's context-parallel ring, the document ring, flex) then
+    sees one head dim, and the padding adds exact zeros. YaRN's mscale^2 scales the queries, which is
+    the softmax scale it asks for."""
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__()
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank, self.query_scale = args.kv_lora_rank, args.softmax_mscale
+        q_out = args.n_heads * args.qk_head_dim
+        if args.q_lora_rank:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, q_out, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        # The two down projections read the same input: one matmul (they are small and never split over tp).
+        self.down = FusedLinear() if args.fused_projections and args.q_lora_rank else None
+        # The RoPE key part all heads share passes here (tensor parallel sums its gradient over the tp ranks' heads).
+        self.shared_key = nn.Identity()
+        self.inner_attention = CoreAttention()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        if hasattr(self, "wq_a"):
+            if self.down is not None and plain_linears(self.wq_a, self.wkv_a):
+                q_latent, kv = self.down(x, self.wq_a.weight, self.wkv_a.weight)
+            else:
+                q_latent, kv = self.wq_a(x), self.wkv_a(x)
+            q = self.wq_b(self.q_norm(q_latent))
+        else:
+            q, kv = self.wq(x), self.wkv_a(x)
+        # -1 heads: under tensor parallel each rank holds a slice of the heads.
+        q_nope, q_pe = q.view(bsz, seqlen, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_nope, v = self.wkv_b(self.kv_norm(kv_latent)).view(bsz, seqlen, -1, self.nope_dim + self.v_dim).split(
+            [self.nope_dim, self.v_dim], dim=-1
+        )
+        heads = k_nope.shape[2]
+        q = torch.cat([q_nope, apply_rope(q_pe, rope)], dim=-1)
+        k_pe = apply_rope(self.shared_key(k_pe).unsqueeze(2), rope)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, heads, -1)], dim=-1)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        v = F.pad(v, (0, q.shape[-1] - self.v_dim))
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out[..., : self.v_dim].transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class DeepSeekV3Transformer(Transformer):
+    """Llama's transformer with latent attention in every block, MoE feed-forwards from block
+    `n_dense_layers` on, and YaRN's RoPE table."""
+
+    def make_block(self, layer_id: int, args: DeepSeekV3Args) -> nn.Module:
+        return TransformerBlock(layer_id, args, MoE(args) if args.is_moe(layer_id) else None, LatentAttention(args))
+
+    def rope_table(self, device=None) -> torch.Tensor:
+        a = self.args
+        if a.yarn_factor <= 1:
+            return rope_cache(a, a.max_seq_len, device)
+        freqs = yarn_frequencies(
+            a.rope_dim, a.rope_theta, a.yarn_factor, a.yarn_original_seq_len, a.yarn_beta_fast, a.yarn_beta_slow, device
+        )
+        return rope_cache(a, a.max_seq_len, device, freqs=freqs, amplitude=a.rope_attention_factor)

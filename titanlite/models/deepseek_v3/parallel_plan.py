@@ -1,0 +1,71 @@
+"""DeepSeek-V3's parallel plan: the MoE family's units, experts and feed-forward plans, with latent
+attention's tensor-parallel plan.
+
+TP splits MLA by heads: the up projections wq (or wq_b) and wkv_b column-wise, wo row-wise. The down
+projections wq_a and wkv_a and their latent norms are small and run whole on every tp rank, on the
+gathered input (under sequence parallel; attention takes it as a plain tensor); the RoPE key part
+they give, shared by all heads, passes `shared_key`, whose gradient is summed over the tp ranks.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from titanlite.models.common.moe import MoE
+from titanlite.models.deepseek_v3 import hf
+from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
+from titanlite.models.family import ParallelPlan
+from titanlite.models.llama3 import parallel_plan as llama3_plan
+from titanlite.models.moe import parallel_plan as moe_plan
+from titanlite.parallel.tensor import SharedByHeads
+
+
+def attention_plan(block: nn.Module, sequence_parallel: bool) -> dict:
+    query = "attention.wq_b" if hasattr(block.attention, "wq_b") else "attention.wq"
+    plan = {
+        query: ColwiseParallel(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.shared_key": SharedByHeads(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
+    }
+    if sequence_parallel:
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # Gathered, as a plain tensor: the down projections run whole on it.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+            ),
+        }
+    return plan
+
+
+def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | None) -> dict:
+    """MLA's plan, and the feed-forward's: Llama's dense SwiGLU, or the MoE layer on this rank's
+    sequence shard (the MoE family's)."""
+    if isinstance(block.feed_forward, MoE):
+        ffn = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)}
+    else:
+        gathered = llama3_plan.float8_gathered_inputs(block, float8_recipe)
+        ffn = llama3_plan.feed_forward_plan(sequence_parallel, gathered, block.feed_forward.w13 is not None)
+    return attention_plan(block, sequence_parallel) | ffn
+
+
+PLAN = ParallelPlan(
+    build=DeepSeekV3Transformer,
+    head=llama3_plan.PLAN.head,
+    blocks=llama3_plan.PLAN.blocks,
+    tail=llama3_plan.PLAN.tail,
+    tp_plan=llama3_plan.PLAN.tp_plan,
+    block_tp_plan=block_plan,
+    compile_units=moe_plan.compile_units,
+    hf=hf,
+    experts=moe_plan.PLAN.experts,
+    moe_layers=moe_plan.PLAN.moe_layers,
+    expert_hidden_dims=moe_plan.PLAN.expert_hidden_dims,
+    # The router (float8 scores would move the routing) and MLA's down projections: at DeepSeek-V3's
+    # shapes their outputs (1536 and 576 wide) are too narrow for float8 to pay for its casts.
+    float8_excluded=moe_plan.PLAN.float8_excluded + ("attention.wq_a", "attention.wkv_a"),
+)
