@@ -154,3 +154,50 @@ def test_float8_release_weights_are_multiplied_out_by_their_block_scales(tmp_pat
 def test_bad_shapes_are_refused_before_launch(pairs, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--model.name", "deepseek_v3", "--model.flavor_overrides", pairs])
+
+
+def test_multi_token_prediction_loss_follows_deepseeks_formula(tmp_path):
+    """L = L_main + lambda/D sum_k L_MTP^k, L_MTP^k = -1/T sum_i log P_i^k[t_(i+k+1)] over the positions
+    whose target lies in the window: computed here by hand from the model's modules, each depth on
+    the sequence cut to its T-k positions (causal attention: the positions after cannot matter), each
+    depth's hidden state chained from the one before it. The trainer's loss (and gradients) must agree."""
+    import torch.distributed as dist
+
+    from helpers import tiny_args
+    from titanlite.loss import cross_entropy_sum
+    from titanlite.trainer import Trainer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        (tmp_path / "c.jsonl").write_text('{"text": "unused"}\n')
+        overrides = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.flavor_overrides",
+                     "mtp_depth=2,mtp_loss_weight=0.3,n_layers=2", "--model.moe_load_balance_coeff", "0"]
+        trainer = Trainer(parse_args(tiny_args(tmp_path / "c.jsonl", tmp_path, *overrides)), torch.device("cpu"))
+        model = trainer.model_parts[0]
+        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(3))
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        b, s = inputs.shape
+
+        trainer.loss_scale = b * s
+        loss = trainer.forward(inputs, labels, backward=True)
+        ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+
+        h = model.tok_embeddings(inputs)
+        for layer in model.layers.values():
+            h = layer(h, model.rope)
+        by_hand = cross_entropy_sum(model.output(model.norm(h)), labels) / (b * s)
+        depths = []
+        for k in (1, 2):
+            h = h[:, : s - k]  # position i of depth k reads the token k ahead and predicts the one after
+            h = model.mtp[str(k - 1)](h, model.tok_embeddings(tokens[:, k : s]), model.rope, None)
+            logits = model.output(model.mtp[str(k - 1)].norm(h))
+            depths.append(cross_entropy_sum(logits, tokens[:, k + 1 : s + 1]) / (b * s))
+        by_hand = by_hand + 0.3 / 2 * sum(depths)
+        by_hand.backward()
+        torch.testing.assert_close(loss, by_hand.detach(), rtol=1e-6, atol=1e-6)  # forward returns the objective
+        torch.testing.assert_close(trainer.mtp_loss, sum(depths).detach() / 2, rtol=1e-6, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(ours[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()

@@ -179,7 +179,7 @@ def train(trainer: Trainer) -> None:
             trainer.check_finite(loss)
             lr = trainer.lr_schedulers[0].get_last_lr()[0]
             skipped = trainer.skipped_steps if t.skip_nonfinite_steps else None
-            trainer.metrics.log(trainer.step, loss, grad_norm.item(), lr, trainer.tokens_seen, skipped, trainer.stage_balance())
+            trainer.metrics.log(trainer.step, loss, grad_norm.item(), lr, trainer.tokens_seen, skipped, trainer.step_extras())
         if validating:
             trainer.metrics.log_validation(trainer.step, trainer.validate())
             trainer.metrics.reset()  # keep evaluation time out of the next throughput window

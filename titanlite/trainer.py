@@ -25,7 +25,7 @@ from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
-from titanlite.loss import cross_entropy_sum
+from titanlite.loss import IGNORED, cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
 from titanlite.models.common.attention import document_layout
@@ -113,6 +113,8 @@ class Trainer:
                 print(part, flush=True)
         self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
         self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
+        # Multi-token prediction (DeepSeek-V3): its depths and the weight of their mean loss.
+        self.mtp_depth, self.mtp_loss_weight = getattr(args, "mtp_depth", 0), getattr(args, "mtp_loss_weight", 0.0)
         self.balance: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's MoE counts and aux loss
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
         compile_loss = config.compile.enable and "loss" in config.compile.components
@@ -131,6 +133,7 @@ class Trainer:
                     module._buffers.update({k: v.to(device) for k, v in module._buffers.items() if v is not None})
             part.train()
         self.loss_scale = 1  # the global token count of the current step
+        self.mtp_loss = torch.zeros((), device=device)  # this rank's part of the step's MTP loss
         self.first_nonfinite_step = torch.full((), -1, device=device)  # -1: every grad norm so far is finite
         self.pp_schedule = None
         if self.dims.pp_enabled:
@@ -163,24 +166,37 @@ class Trainer:
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
 
-    def token_inputs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def token_inputs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's per-token keyword inputs (every pipeline stage gets them), from the whole
         window: under block_causal each token's document id and position; under context parallel
-        its position (which RoPE rows its sequence shard takes)."""
+        its position (which RoPE rows its sequence shard takes); with multi-token prediction the
+        tokens 1..depth ahead of each."""
+        token_inputs = {}
         if self.document_masking:
             document_ids, positions = document_layout(
                 inputs, self.tokenizer.bos_id, self.config.model.reset_position_ids, self.tokenizer.eos_id
             )
-            return {"positions": positions, "document_ids": document_ids}
-        if self.dims.cp_enabled:
-            return {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)}
-        return {}
+            token_inputs = {"positions": positions, "document_ids": document_ids}
+        elif self.dims.cp_enabled:
+            token_inputs = {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)}
+        if self.mtp_depth:
+            # Token i+k is label i+k-1; past the window's end any token will do (its predictions are IGNORED).
+            token_inputs["future_tokens"] = torch.stack([shifted(labels, k - 1, 0) for k in range(1, self.mtp_depth + 1)], dim=-1)
+        return token_inputs
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels, and with multi-token prediction (b, s, 1 + depth): depth k predicts label i+k,
+        IGNORED past the window's end."""
+        if not self.mtp_depth:
+            return labels
+        return torch.stack([shifted(labels, k, IGNORED) for k in range(self.mtp_depth + 1)], dim=-1)
 
     @contextmanager
     def step_context(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """Yields (inputs, labels, the model's per-token keyword inputs); under CP this rank's sequence
+        """Yields (inputs, targets, the model's per-token keyword inputs); under CP this rank's sequence
         shards of them. Loss parallel under TP."""
-        token_inputs = self.token_inputs(inputs)
+        token_inputs = self.token_inputs(inputs, labels)
+        labels = self.targets(labels)
         with ExitStack() as stack:
             if self.loss_parallel:
                 stack.enter_context(loss_parallel())
@@ -197,8 +213,20 @@ class Trainer:
                 token_inputs = dict(zip(token_inputs, shards))
             yield inputs, labels, token_inputs
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return local_value(self.cross_entropy(logits, labels)) / self.loss_scale
+    def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross entropy over the global token count. With multi-token prediction (output:
+        logits of the model and of each depth), plus mtp_loss_weight x the depths' mean loss (DeepSeek-V3's
+        L_MTP: each depth's over all the window's tokens); validation reports the model's own loss."""
+        if not isinstance(output, tuple):
+            return local_value(self.cross_entropy(output, labels)) / self.loss_scale
+        logits, *predictions = output
+        loss = local_value(self.cross_entropy(logits, labels[..., 0]))
+        if torch.is_grad_enabled():
+            depths = [local_value(self.cross_entropy(p, labels[..., k], masked=True)) for k, p in enumerate(predictions, 1)]
+            mtp = sum(depths) / len(depths)
+            self.mtp_loss += mtp.detach() / self.loss_scale
+            loss = loss + self.mtp_loss_weight * mtp
+        return loss / self.loss_scale
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
         """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last
@@ -232,8 +260,10 @@ class Trainer:
         # Dividing each rank's summed loss by the global token count makes the summed gradients
         # the gradient of the global mean, whatever the dp degree and accumulation steps.
         self.loss_scale = sum(self.global_tokens(labels) for _, labels in microbatches)
+        self.mtp_loss.zero_()
         self.before_step()
-        return sum(self.forward(x, y, backward=True) for x, y in microbatches)
+        objective = sum(self.forward(x, y, backward=True) for x, y in microbatches)
+        return objective - self.mtp_loss_weight * self.mtp_loss  # the model's own loss; step_extras has MTP's
 
     def global_tokens(self, labels: torch.Tensor) -> int:
         """The tokens of `labels` on every data-parallel rank together (before any sequence split): every
@@ -345,6 +375,13 @@ class Trainer:
             raise ConfigError("validation data yielded no full sequence; use a larger validation set or shorter seq_len")
         return (loss_sum / tokens).item()
 
+    def step_extras(self) -> dict[str, float] | None:
+        """What a log step shows beyond the loss: a MoE's balance, the MTP loss. Collective: every rank calls it."""
+        extras = self.stage_balance() or {}
+        if self.mtp_depth:
+            extras["mtp_loss"] = self.global_loss(self.mtp_loss)
+        return extras or None
+
     def stage_balance(self) -> dict[str, float] | None:
         """A MoE's balance at a log step: the busiest expert's tokens over the mean in the worst layer
         of any pipeline stage (each holds its own layers, maybe none), and the summed aux loss (when
@@ -365,6 +402,13 @@ class Trainer:
         flag = torch.tensor(float(condition), device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+
+def shifted(labels: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """(b, s) labels moved k positions left (position i holds label i+k), `fill` past the end."""
+    out = labels.new_full(labels.shape, fill)
+    out[:, : labels.shape[1] - k] = labels[:, k:]
+    return out
 
 
 def longest_sequence(config: JobConfig) -> int:

@@ -42,14 +42,15 @@ def apply_fsdp(
     )
     for module in _present(model, plan.head):
         fully_shard(module, reshard_after_forward=reshard_after_forward, **shard)
-    for block in getattr(model, plan.blocks).values():
+    tail = _present(model, plan.tail)
+    for module in [*getattr(model, plan.blocks).values(), *tail]:  # MoE layers sit in blocks (and a tail's blocks)
         for mesh, units in ((expert_mesh, plan.experts), (moe_mesh, plan.moe_layers)):
             if mesh is not None:
-                for unit in units(block):
+                for unit in units(module):
                     fully_shard(unit, reshard_after_forward=reshard_after_forward, **(shard | {"mesh": mesh}))
+    for block in getattr(model, plan.blocks).values():
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     # The tail (the output) is used again right at the start of backward: by default keep it gathered.
-    tail = _present(model, plan.tail)
     if tail:
         fully_shard(tail, reshard_after_forward=reshard_output_after_forward, **shard)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **shard)

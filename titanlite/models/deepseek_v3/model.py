@@ -77,12 +77,72 @@ class LatentAttention(nn.Module):
         return self.wo(out[..., : self.v_dim].transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
+def deepseek_block(layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
+    return TransformerBlock(layer_id, args, MoE(args) if args.is_moe(layer_id) else None, LatentAttention(args))
+
+
+class MultiTokenPrediction(nn.Module):
+    """Depth k of multi-token prediction (DeepSeek-V3, section 2.2): the RMS-normed hidden state of
+    depth k-1 at each position i and the RMS-normed embedding of token i+k, joined by one projection
+    (embedding first, as DeepSeek's weights are laid out), through one block; its own final norm
+    precedes the model's output head."""
+
+    def __init__(self, layer_id: int, args: DeepSeekV3Args):
+        super().__init__()
+        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = deepseek_block(layer_id, args)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
+        return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope, mask)
+
+
 class DeepSeekV3Transformer(Transformer):
     """Llama's transformer with latent attention in every block, MoE feed-forwards from block
-    `n_dense_layers` on, and YaRN's RoPE table."""
+    `n_dense_layers` on, YaRN's RoPE table, and `mtp_depth` multi-token prediction modules after the
+    final block (the `mtp` ModuleDict; None without them, or on a pipeline stage without the tail).
+
+    With MTP the model takes `future_tokens` (b, s, depth): token i+k of each position i (the trainer
+    makes them from the whole window, so a sequence shard's come exact from its neighbours' tokens).
+    A stage without the tail returns (hidden states, the future tokens' embeddings) for the next
+    one; the last returns (logits, logits of each depth), the output head shared by all."""
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__(args)
+        depths = range(args.mtp_depth)
+        self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args.n_layers + k, args) for k in depths}) if depths else None
 
     def make_block(self, layer_id: int, args: DeepSeekV3Args) -> nn.Module:
-        return TransformerBlock(layer_id, args, MoE(args) if args.is_moe(layer_id) else None, LatentAttention(args))
+        return deepseek_block(layer_id, args)
+
+    def forward(self, tokens, future=None, positions=None, document_ids=None, future_tokens=None):
+        """`future`: on a later pipeline stage, the future tokens' embeddings from the one before."""
+        if self.args.mtp_depth == 0:
+            return super().forward(tokens, positions, document_ids)
+        h = tokens
+        if self.tok_embeddings is not None:
+            h, future = self.tok_embeddings(tokens), self.tok_embeddings(future_tokens)
+        rope, mask = self.position_inputs(positions, document_ids)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        if self.output is None:
+            return h, future
+        outputs = [self.output(self.norm(h))]
+        for k, module in self.mtp.items():
+            h = module(h, future[:, :, int(k)], rope, mask)
+            outputs.append(self.output(module.norm(h)))
+        return tuple(outputs)
+
+    def init_std(self, fqn: str) -> float | None:
+        """An MTP module's block initializes as the block after the model's (depth-scaled as such)."""
+        parts = fqn.split(".")
+        if parts[0] == "mtp" and parts[2] == "block":
+            fqn = ".".join(["layers", str(self.args.n_layers + int(parts[1])), *parts[3:]])
+        elif parts[0] == "mtp":
+            return None if "norm" in parts[2] else 0.02
+        return super().init_std(fqn)
 
     def rope_table(self, device=None) -> torch.Tensor:
         a = self.args

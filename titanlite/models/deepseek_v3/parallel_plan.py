@@ -53,12 +53,25 @@ def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | N
     return attention_plan(block, sequence_parallel) | ffn
 
 
+def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """Llama's plan of the embedding, final norm and output, and each multi-token prediction module:
+    its block as the model's, and under sequence parallel its norms and joining projection on the
+    sequence shard (token-wise: weights replicated, their gradients summed over tp)."""
+    plan = llama3_plan.model_plan(model, sequence_parallel, loss_parallel)
+    for k, module in (model.mtp or {}).items():
+        if sequence_parallel:
+            plan |= {f"mtp.{k}.{name}": SequenceParallel() for name in ("enorm", "hnorm", "norm")}
+            plan[f"mtp.{k}.eh_proj"] = SequenceParallel(use_local_output=True)  # the block takes a plain shard
+        plan |= {f"mtp.{k}.block.{name}": style for name, style in block_plan(module.block, sequence_parallel, None).items()}
+    return plan
+
+
 PLAN = ParallelPlan(
     build=DeepSeekV3Transformer,
     head=llama3_plan.PLAN.head,
     blocks=llama3_plan.PLAN.blocks,
-    tail=llama3_plan.PLAN.tail,
-    tp_plan=llama3_plan.PLAN.tp_plan,
+    tail=(*llama3_plan.PLAN.tail, "mtp"),  # multi-token prediction runs after the output head, on the last stage
+    tp_plan=model_plan,
     block_tp_plan=block_plan,
     compile_units=moe_plan.compile_units,
     hf=hf,
