@@ -57,3 +57,32 @@ def run_command(cmd: list[str], timeout: float = 300, **kwargs):
         stdout, stderr = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{stdout[-2000:]}\n{stderr[-2000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = None):
+    """(objective, the model's own loss), both summed over tokens, of a model with DeepSeek-V3's
+    multi-token prediction, by DeepSeek's formula: depth k reads the token k ahead of each position
+    and predicts the one after, its hidden state chained from depth k-1, and its loss counts the T-k
+    positions whose target lies in the window; objective = own + weight/D sum_k depth k's. The last
+    k positions still run (reading token 0: causal attention keeps them from the others' outputs)
+    because titanlite runs them: their tokens count in the MTP block's MoE balance."""
+    import torch
+
+    from titanlite.loss import cross_entropy_sum
+
+    tokens = torch.cat([x, y[:, -1:]], dim=1)
+    s = x.shape[1]
+    positions = (token_inputs or {}).get("positions")
+    document_ids = (token_inputs or {}).get("document_ids")
+
+    h = model.tok_embeddings(x)
+    rope, mask = model.position_inputs(positions, document_ids)
+    for layer in model.layers.values():
+        h = layer(h, rope, mask)
+    own = cross_entropy_sum(model.output(model.norm(h)), y)
+    depths = []
+    for k, module in enumerate(model.mtp.values(), 1):
+        ahead = torch.cat([tokens[:, k : s + 1], torch.zeros_like(tokens[:, : k - 1])], dim=1)
+        h = module(h, model.tok_embeddings(ahead), rope, mask)
+        depths.append(cross_entropy_sum(model.output(module.norm(h))[:, : s - k], tokens[:, k + 1 : s + 1]))
+    return own + weight / len(depths) * sum(depths), own

@@ -38,8 +38,8 @@ def hf_config(**overrides):
     return transformers.DeepseekV3Config(**(settings | overrides))
 
 
-def our_args(config, **overrides):
-    """The titanlite args of the same shapes, through model.flavor_overrides as a user would write them."""
+def our_args_pairs(config, **overrides) -> list[str]:
+    """model.flavor_overrides giving the shapes of a DeepseekV3Config."""
     c = config
     pairs = dict(
         dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads, n_kv_heads=c.num_attention_heads,
@@ -49,8 +49,14 @@ def our_args(config, **overrides):
         qk_nope_head_dim=c.qk_nope_head_dim, n_group=c.n_group, topk_group=c.topk_group, top_k=c.num_experts_per_tok,
         n_dense_layers=c.first_k_dense_replace, mtp_depth=0,
     ) | overrides
-    config = parse_args(["--model.name", "deepseek_v3", "--model.flavor_overrides", ",".join(f"{k}={v}" for k, v in pairs.items())])
-    return model_args("deepseek_v3", "debugmodel", c.vocab_size, c.max_position_embeddings, model_config=config.model)
+    return [f"{k}={v}" for k, v in pairs.items()]
+
+
+def our_args(config, **overrides):
+    """The titanlite args of the same shapes, through model.flavor_overrides as a user would write them."""
+    pairs = ",".join(our_args_pairs(config, **overrides))
+    model = parse_args(["--model.name", "deepseek_v3", "--model.flavor_overrides", pairs]).model
+    return model_args("deepseek_v3", "debugmodel", config.vocab_size, config.max_position_embeddings, model_config=model)
 
 
 def random_reference(config):
@@ -199,5 +205,60 @@ def test_multi_token_prediction_loss_follows_deepseeks_formula(tmp_path):
         torch.testing.assert_close(trainer.mtp_loss, sum(depths).detach() / 2, rtol=1e-6, atol=1e-6)
         for name, p in model.named_parameters():
             torch.testing.assert_close(ours[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mtp_layers_round_trip_as_deepseeks_layer_after_the_model_and_may_be_absent(tmp_path):
+    """Export writes MTP depth k as layer n_layers + k in DeepSeek's names (enorm, hnorm, eh_proj,
+    shared_head.norm, the block, and copies of the embedding and head); import reads it back into the
+    MTP modules. transformers' model (which has no MTP) loads the export with the same logits. A
+    Hugging Face file without MTP layers loads into a model with them, which keep their initialization."""
+    import torch.distributed as dist
+
+    from helpers import tiny_args
+    from titanlite.models.deepseek_v3.hf import save_hf
+    from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
+    from titanlite.models.hf import load_hf
+    from titanlite.trainer import Trainer
+
+    config = hf_config()
+    args = our_args(config, mtp_depth=2)
+    torch.manual_seed(0)
+    ours = DeepSeekV3Transformer(args)
+    ours.init_weights(seed=5)
+    state = ours.state_dict()
+    save_hf(lambda names: {n: state[n] for n in names}, {n: w.numel() for n, w in state.items()}, args, tmp_path / "out", torch.float32)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.4.enorm.weight", "model.layers.4.shared_head.norm.weight", "model.layers.3.eh_proj.weight",
+            "model.layers.4.mlp.experts.7.down_proj.weight", "model.layers.3.embed_tokens.weight",
+            "model.layers.4.shared_head.head.weight", "model.layers.3.self_attn.kv_b_proj.weight"} <= names
+    back = load_hf(tmp_path / "out")
+    assert back.keys() == state.keys() and all(torch.equal(back[n], w) for n, w in state.items())
+    tokens = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    without_mtp = DeepSeekV3Transformer(our_args(config)).eval()
+    without_mtp.load_state_dict({n: w for n, w in state.items() if not n.startswith("mtp.")})
+    with torch.no_grad():
+        torch.testing.assert_close(reference(tokens).logits, without_mtp(tokens), rtol=1e-4, atol=1e-4)
+
+    # transformers' own file has no MTP layers: the trainer's MTP modules keep their initialization.
+    random_reference(config).save_pretrained(str(tmp_path / "hf"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        (tmp_path / "c.jsonl").write_text('{"text": "unused"}\n')
+        pairs = ",".join(arg for arg in our_args_pairs(config, mtp_depth=1))
+        cli = ["--model.name", "deepseek_v3", "--model.flavor_overrides", pairs, "--training.seq_len", "64"]
+        trainer = Trainer(parse_args(tiny_args(tmp_path / "c.jsonl", tmp_path, *cli)), torch.device("cpu"))
+        model = trainer.model_parts[0]
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer.checkpointer.load_hf_weights(tmp_path / "hf")
+        hf_state = load_hf(tmp_path / "hf")
+        for name, p in model.named_parameters():
+            expected = initial[name] if name.startswith("mtp.") else hf_state[name]
+            assert torch.equal(p.detach(), expected), name
     finally:
         dist.destroy_process_group()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from distributed import run_distributed
-from helpers import tiny_args
+from helpers import mtp_reference_loss, tiny_args
 from parity_cases import CASES_8, EXTENDED, FOUR_RANKS, TWO_RANKS
 
 STEPS = 4
@@ -150,11 +150,16 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     for name, p, ref in pairs:
         record("init", (local(p.detach()) - local_slice(ref.detach(), p)).abs().max().item(), name)
 
-    def reference_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def reference_loss(x: torch.Tensor, y: torch.Tensor, objective: bool = True) -> torch.Tensor:
         """Summed cross entropy of the reference; with document masks, of each document alone (but of
         the packed windows where other tokens count: float8 scales by the batch, the aux loss by the
-        window), with the documents found by hand."""
+        window, multi-token prediction across documents), with the documents found by hand. With
+        multi-token prediction the training objective, by DeepSeek's formula (helpers.py), or the
+        model's own loss (not `objective`: validation)."""
         bos_id = trainer.tokenizer.bos_id
+        if trainer.mtp_depth:
+            token_inputs = token_inputs_by_hand(x, bos_id, config.model.reset_position_ids) if trainer.document_masking else None
+            return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs)[0 if objective else 1]
         if not trainer.document_masking:
             return cross_entropy_sum(reference(x), y)
         if config.float8 or trainer.aux_loss_on:
@@ -182,6 +187,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             start = (i * trainer.dp_degree + trainer.dp_rank) * t.local_batch_size
             microbatches.append((inputs[start : start + t.local_batch_size], labels[start : start + t.local_batch_size]))
         loss = trainer.global_loss(trainer.compute_gradients(microbatches))
+        if trainer.mtp_depth:  # the logged loss is the model's own; the objective adds MTP's
+            loss += trainer.mtp_loss_weight * trainer.global_loss(trainer.mtp_loss)
         # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
         # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
         rows = t.local_batch_size if config.float8 else len(inputs)
@@ -224,7 +231,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         loader = build_dataloader(config, trainer.tokenizer, 0, 1, split="validation")
         loss_sum = tokens = 0
         for _, (x, y) in zip(range(VALIDATION_STEPS * trainer.dp_degree), loader):
-            loss_sum += reference_loss(x, y).item()
+            loss_sum += reference_loss(x, y, objective=False).item()
             tokens += y.numel()
     record("validation", abs(val_loss - loss_sum / tokens), "validation")
     record("separate_projection_calls", sum(unfused_calls.values()), ", ".join(sorted(unfused_calls)))

@@ -325,6 +325,10 @@ class Checkpointer:
             if name in params:
                 assign_full_value(params[name], tensor.to(params[name].dtype))
                 missing.discard(name)
+        optional = {name for name in missing if name.startswith(getattr(t.plan.hf, "OPTIONAL", ()))}
+        if optional:
+            log_line(f"Hugging Face checkpoint '{folder}' has no {sorted(optional)[0].split('.')[0]} weights: they keep their initialization")
+        missing -= optional
         if missing:
             raise ConfigError(
                 f"Hugging Face checkpoint '{folder}' lacks {len(missing)} weight(s) the model has, e.g. "

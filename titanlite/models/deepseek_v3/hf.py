@@ -39,18 +39,42 @@ LAYER_NAMES = {
 HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
 EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 HF_EXPERT_NAMES = {v: k for k, v in EXPERT_NAMES.items()}
-EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
-HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERTS = re.compile(r"^(.+)\.feed_forward\.experts\.(w[123])$")
+HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+BLOCK = re.compile(r"^(layers\.\d+|mtp\.\d+\.block)\.(.+)$")
+# A multi-token prediction depth is stored as the layer after the model's (DeepSeek-V3's layer 61),
+# with its own names for the joining parts and the final norm, and copies of the embedding and head.
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "norm.weight": "shared_head.norm.weight"}
+HF_MTP_NAMES = {v: k for k, v in MTP_NAMES.items()}
+MTP_PART = re.compile(r"^mtp\.(\d+)\.(enorm\.weight|hnorm\.weight|eh_proj\.weight|norm\.weight)$")
+SHARED_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+
+
+def hf_layer(prefix: str, n_layers: int) -> int:
+    """The Hugging Face layer of a block's name prefix: layers.i -> i, mtp.k.block -> n_layers + k."""
+    kind, index = prefix.split(".")[:2]
+    return int(index) + (n_layers if kind == "mtp" else 0)
+
+
+def our_prefix(layer: int, n_layers: int) -> str:
+    return f"layers.{layer}" if layer < n_layers else f"mtp.{layer - n_layers}.block"
 
 
 def to_hf_tensors(name: str, w: torch.Tensor, args: DeepSeekV3Args) -> list[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of one titanlite tensor: one per expert for routed experts, and the
+    embedding and output head also as each MTP layer's copies."""
+    n = args.n_layers
     if name in llama3_hf.TOP_NAMES:
-        return [(llama3_hf.TOP_NAMES[name], w)]
+        copies = [(f"model.layers.{n + k}.{SHARED_COPIES[name]}", w.clone()) for k in range(args.mtp_depth) if name in SHARED_COPIES]
+        return [(llama3_hf.TOP_NAMES[name], w), *copies]
+    if match := MTP_PART.match(name):
+        return [(f"model.layers.{n + int(match.group(1))}.{MTP_NAMES[match.group(2)]}", w)]
     if match := EXPERTS.match(name):
-        layer, projection = match.group(1), EXPERT_NAMES[match.group(2)]
+        layer, projection = hf_layer(match.group(1), n), EXPERT_NAMES[match.group(2)]
         return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", w[e]) for e in range(w.shape[0])]
-    layer, rest = llama3_hf.LAYER.match(name).groups()
-    return [(f"model.layers.{layer}.{LAYER_NAMES[rest]}", w)]
+    prefix, rest = BLOCK.match(name).groups()
+    return [(f"model.layers.{hf_layer(prefix, n)}.{LAYER_NAMES[rest]}", w)]
 
 
 def hf_config(args: DeepSeekV3Args, dtype: torch.dtype) -> dict:
@@ -102,7 +126,9 @@ def check_hf_shapes(config: dict, args: DeepSeekV3Args, folder: Path) -> None:
 
 def iter_hf(folder: Path):
     """(titanlite name, tensor) of each weight, one tensor in memory at a time (routed experts: one
-    projection of one layer, gathered from its experts' weights; float8 weights multiplied out)."""
+    projection of one layer, gathered from its experts' weights; float8 weights multiplied out). MTP
+    layers, where the file has them, load into the model's MTP modules (their copies of the shared
+    embedding and head are skipped)."""
     config, _, _ = read_hf_config(folder)
     n_layers, experts = config["num_hidden_layers"], config.get("n_routed_experts")
     gathering: dict[str, dict[int, torch.Tensor]] = {}
@@ -111,15 +137,23 @@ def iter_hf(folder: Path):
             yield llama3_hf.HF_TOP_NAMES[key], tensor
             continue
         match = llama3_hf.HF_LAYER.match(key)
-        if not match or int(match.group(1)) >= n_layers:
-            continue  # multi-token prediction's layers (after the model's) and buffers titanlite has none of
-        if expert := HF_EXPERT.match(key):
-            layer, index, projection = expert.groups()
-            name = f"layers.{layer}.feed_forward.experts.{HF_EXPERT_NAMES[projection]}"
+        if not match:
+            continue  # buffers titanlite has none of
+        layer, rest = int(match.group(1)), match.group(2)
+        prefix = our_prefix(layer, n_layers)
+        if expert := HF_EXPERT.match(rest):
+            index, projection = expert.groups()
+            name = f"{prefix}.feed_forward.experts.{HF_EXPERT_NAMES[projection]}"
             gathered = gathering.setdefault(name, {})
             gathered[int(index)] = tensor
             if len(gathered) == experts:
                 yield name, torch.stack([gathered[e] for e in range(experts)])
                 del gathering[name]
-        elif match.group(2) in HF_LAYER_NAMES:
-            yield f"layers.{match.group(1)}.{HF_LAYER_NAMES[match.group(2)]}", tensor
+        elif layer >= n_layers and rest in HF_MTP_NAMES:
+            yield f"mtp.{layer - n_layers}.{HF_MTP_NAMES[rest]}", tensor
+        elif rest in HF_LAYER_NAMES:
+            yield f"{prefix}.{HF_LAYER_NAMES[rest]}", tensor
+
+
+# Weights a Hugging Face file may lack: DeepseekV3ForCausalLM has no MTP (DeepSeek's release does).
+OPTIONAL = ("mtp.",)
