@@ -178,6 +178,25 @@ CASES_DOC_4 = {
     "doc_moe_cp2_ep2_aux": BC + MOE_SIGMOID_AUX + [CP, "2", EP, "2"],
 }
 
+DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+# DeepSeek-V3 (latent attention, group-limited sigmoid routing, a shared expert, multi-token prediction
+# on): MLA split by heads, the tokens MTP reads ahead sharded with their positions under CP, the MTP
+# modules on the last pipeline stage fed the embeddings of the tokens ahead from the first.
+CASES_DSV3_2 = {
+    "dsv3_tp2": DSV3 + [TP, "2"],
+    "dsv3_tp2_separate_projections": DSV3 + [TP, "2", "--model.fused_projections", "false"],
+    "dsv3_cp2_allgather": DSV3 + [CP, "2"],
+    "dsv3_cp2_alltoall": DSV3 + [CP, "2", *ALLTOALL],
+    "dsv3_pp2_1f1b": DSV3 + PP + schedule("1F1B"),
+    "dsv3_pp2_interleaved1f1b": DSV3 + PP + schedule("Interleaved1F1B"),
+    "dsv3_doc_cp2": DSV3 + BC + [CP, "2"],
+    "dsv3_ep2_ac_selective_op": DSV3 + [EP, "2", "--activation_checkpoint.mode", "selective"],
+}
+CASES_DSV3_4 = {
+    "dsv3_ep2_fsdp2": DSV3 + [EP, "2"],
+    "dsv3_fsdp2_tp2": DSV3 + [TP, "2"],
+    "dsv3_cp2_ep2": DSV3 + [CP, "2", EP, "2"],
+}
 
 # The extended matrix: variants of layouts the default cases already cover (another float8 recipe,
 # rotate method or schedule of the same degree, a balancer off, ...). `pytest -m full` or
@@ -198,5 +217,5 @@ EXTENDED = {
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
     "tp2_sp_lp", "free_cp2", "doc_fsdp2",
 }
-TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2
-FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4
+TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2
+FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4

@@ -17,6 +17,7 @@ from helpers import REPO, run_command, tiny_args
 pytestmark = pytest.mark.slow
 
 MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
+DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 
 
 def run_train_sh(args: list[str], ngpu: int = 1):
@@ -108,6 +109,14 @@ CASES = {  # name: (arguments given the bad files, words of the line)
     "unknown_float8_recipe": (lambda f: ["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "blockwise"],
                               "'blockwise' is not allowed; choose from: tensorwise, rowwise"),
     "moe_flavor_under_llama3": (lambda f: ["--model.flavor", "debugmoe"], "(it is a flavor of model.name='moe')"),
+    "dsv3_topk_group_above_n_group": (lambda f: [*DSV3, "--model.flavor_overrides", "topk_group=5"], "topk_group=5 must be between 1 and n_group=4"),
+    "dsv3_n_group_not_dividing": (lambda f: [*DSV3, "--model.flavor_overrides", "n_group=3"], "n_group=3 must divide num_experts=8"),
+    "dsv3_no_kv_latent": (lambda f: [*DSV3, "--model.flavor_overrides", "kv_lora_rank=0"], "needs kv_lora_rank > 0"),
+    "dsv3_odd_rope_dim": (lambda f: [*DSV3, "--model.flavor_overrides", "qk_rope_head_dim=15"], "qk_rope_head_dim=15 must be even"),
+    "dsv3_mtp_apart_from_the_output": (lambda f: [*DSV3, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
+                                                 '[["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"], ["mtp"]]',
+                                                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "4"],
+                                       "splits norm, output, mtp over stages"),
 }
 # What only the files decide: each also stops every rank of a plain torchrun, before training.
 RANK_CASES = ["tokenizer_not_json", "binary_dataset", "dump_folder_under_a_file", "negative_load_balance_coeff"]
@@ -116,7 +125,7 @@ RANK_CASES = ["tokenizer_not_json", "binary_dataset", "dump_folder_under_a_file"
 def test_bad_inputs_stop_run_train_sh_in_one_line(tmp_path):
     files = bad_files(tmp_path / "files")
     for name, (args, words) in CASES.items():
-        ngpu = 2 if "expert_parallel" in name else 1
+        ngpu = 2 if "expert_parallel" in name or "apart" in name else 1
         out = run_train_sh(["--job.dump_folder", str(tmp_path / "run"), *args(files)], ngpu)
         assert_one_line(out, words)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

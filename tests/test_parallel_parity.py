@@ -71,7 +71,8 @@ def reduced(grad: torch.Tensor) -> torch.Tensor:
 
 
 def separate_projection_calls(model_parts: list[torch.nn.Module]) -> Counter:
-    """Counts, from now on, the forward calls of q/k/v and w1/w3 as linears of their own. With
+    """Counts, from now on, the forward calls of q/k/v, w1/w3 and MLA's down projections (wq_a, wkv_a) as
+    linears of their own. With
     model.fused_projections there must be none (a float8 linear runs its own matmul by design and is
     not counted): parity alone would hold as well if the trainer ran the reference's separate path."""
     from titanlite.float8 import Float8Linear
@@ -80,7 +81,7 @@ def separate_projection_calls(model_parts: list[torch.nn.Module]) -> Counter:
     for part in model_parts:
         for name, module in part.named_modules():
             if isinstance(module, torch.nn.Linear) and not isinstance(module, Float8Linear) and name.rsplit(".", 1)[-1] in (
-                "wq", "wk", "wv", "w1", "w3"
+                "wq", "wk", "wv", "w1", "w3", "wq_a", "wkv_a"
             ):
                 module.register_forward_hook(lambda *_, name=name: calls.update([name]))
     return calls

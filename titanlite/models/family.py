@@ -53,3 +53,4 @@ class ParallelPlan:
     moe_layers: Callable = lambda model: []  # model -> [titanlite.models.moe.MoE]
     expert_hidden_dims: dict = field(default_factory=dict)  # experts' parameter -> the dim expert TP splits
     float8_excluded: tuple[str, ...] = ()  # module names whose linears float8 leaves in high precision
+    tail_on_one_stage: bool = False  # the tail's modules read one another's inputs (multi-token prediction)

@@ -69,6 +69,12 @@ def stage_module_names(config: JobConfig, plan, n_layers: int, pp: int, multi_st
                 f"parallelism.module_fqns_per_model_part={p.module_fqns_per_model_part} must list every module "
                 f"once, in order: {', '.join(everything)} (one list of names per stage)"
             )
+        if plan.tail_on_one_stage and not set(tail) <= set(stages[-1]):
+            raise ConfigError(
+                f"parallelism.module_fqns_per_model_part={p.module_fqns_per_model_part} splits {', '.join(tail)} over "
+                f"stages, and this model runs them together (multi-token prediction reads the last block's output and "
+                f"the output head): put them all in the last stage"
+            )
         return stages
     first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
     counted = n_layers + first + last

@@ -81,4 +81,5 @@ PLAN = ParallelPlan(
     # The router (float8 scores would move the routing) and MLA's down projections: at DeepSeek-V3's
     # shapes their outputs (1536 and 576 wide) are too narrow for float8 to pay for its casts.
     float8_excluded=moe_plan.PLAN.float8_excluded + ("attention.wq_a", "attention.wkv_a"),
+    tail_on_one_stage=True,
 )
