@@ -191,6 +191,11 @@ CASES_DSV3_2 = {
     "dsv3_pp2_interleaved1f1b": DSV3 + PP + schedule("Interleaved1F1B"),
     "dsv3_doc_cp2": DSV3 + BC + [CP, "2"],
     "dsv3_ep2_ac_selective_op": DSV3 + [EP, "2", "--activation_checkpoint.mode", "selective"],
+    "dsv3_tp2_ac_full": DSV3 + [TP, "2", "--activation_checkpoint.mode", "full"],
+    # Compiled attention and dense FFNs (MTP's block too); float8 on the dense linears (not the router, not
+    # MLA's narrow down projections).
+    "dsv3_ep2_compile": DSV3 + [EP, "2", "--compile.enable"],
+    "dsv3_fsdp2_float8": DSV3 + F8,
 }
 CASES_DSV3_4 = {
     "dsv3_ep2_fsdp2": DSV3 + [EP, "2"],

@@ -262,3 +262,28 @@ def test_mtp_layers_round_trip_as_deepseeks_layer_after_the_model_and_may_be_abs
             assert torch.equal(p.detach(), expected), name
     finally:
         dist.destroy_process_group()
+
+
+def test_float8_skips_the_router_and_mlas_down_projections_and_ac_wraps_the_mtp_block():
+    """float8 converts MLA's up projections, wo and the dense SwiGLU, and leaves the router and the
+    narrow down projections in high precision; activation checkpointing wraps the MTP block as it
+    does the model's blocks."""
+    from types import SimpleNamespace
+
+    from titanlite.float8 import Float8Linear, convert_to_float8
+    from titanlite.models import FAMILIES
+    from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
+    from titanlite.parallel.activation_checkpoint import apply_ac
+
+    plan = FAMILIES["deepseek_v3"].plan
+    model = DeepSeekV3Transformer(model_args("deepseek_v3", "debugmodel", 256, 32))
+    convert_to_float8(model, "tensorwise", ["output", *plan.float8_excluded], True)
+    converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert {"layers.0.attention.wq_b", "layers.0.attention.wkv_b", "layers.0.attention.wo", "layers.0.feed_forward.w1",
+            "layers.1.feed_forward.shared_experts.w2", "mtp.0.block.attention.wkv_b", "mtp.0.eh_proj"} <= converted
+    assert not converted & {"layers.1.attention.wq_a", "layers.1.attention.wkv_a", "layers.1.feed_forward.router.gate", "output"}
+
+    ac = SimpleNamespace(mode="full", selective_ac_option="op", preserve_rng_state=False, determinism_check="default",
+                         debug=False, early_stop=True)
+    apply_ac(model, plan, ac)
+    assert hasattr(model.mtp["0"].block, "_checkpoint_wrapped_module") and hasattr(model.layers["3"], "_checkpoint_wrapped_module")

@@ -54,3 +54,6 @@ class ParallelPlan:
     expert_hidden_dims: dict = field(default_factory=dict)  # experts' parameter -> the dim expert TP splits
     float8_excluded: tuple[str, ...] = ()  # module names whose linears float8 leaves in high precision
     tail_on_one_stage: bool = False  # the tail's modules read one another's inputs (multi-token prediction)
+    # Blocks outside `blocks` (DeepSeek's MTP blocks, in the tail), as (parent module, attribute): activation
+    # checkpointing and compile treat them as blocks.
+    blocks_elsewhere: Callable = lambda model: []

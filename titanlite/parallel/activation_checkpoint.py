@@ -36,18 +36,21 @@ def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(blocks: nn.ModuleDict, ac) -> None:
-    """Wrap the model's blocks in place, keyed by layer id (names gain `_checkpoint_wrapped_module.`), as
-    [activation_checkpoint] says; its preserve_rng_state, determinism_check, debug and early_stop
-    go to torch.utils.checkpoint as they are."""
+def apply_ac(model: nn.Module, plan, ac) -> None:
+    """Wrap the model's blocks in place (the family's `blocks`, keyed by layer id, and its blocks
+    elsewhere; names gain `_checkpoint_wrapped_module.`), as [activation_checkpoint] says; its
+    preserve_rng_state, determinism_check, debug and early_stop go to torch.utils.checkpoint as they are."""
     option = ac.selective_ac_option
     checkpoint_options = dict(
         preserve_rng_state=ac.preserve_rng_state, determinism_check=ac.determinism_check, debug=ac.debug,
         early_stop=ac.early_stop,
     )
-    for key, block in blocks.items():
-        if ac.mode == "full" or (ac.mode == "selective" and option.isdigit() and int(key) % int(option) == 0):
-            blocks[key] = checkpoint_wrapper(block, **checkpoint_options)
+    blocks = getattr(model, plan.blocks)
+    for parent, name in [(blocks, key) for key in blocks] + plan.blocks_elsewhere(model):
+        block = getattr(parent, name)
+        layer_id = int(name) if name.isdigit() else block.layer_id
+        if ac.mode == "full" or (ac.mode == "selective" and option.isdigit() and layer_id % int(option) == 0):
+            setattr(parent, name, checkpoint_wrapper(block, **checkpoint_options))
         elif ac.mode == "selective" and option == "op":
             policy = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
-            blocks[key] = checkpoint_wrapper(block, context_fn=policy, **checkpoint_options)
+            setattr(parent, name, checkpoint_wrapper(block, context_fn=policy, **checkpoint_options))

@@ -27,6 +27,7 @@ def apply_compile(model: nn.Module, plan, tp_enabled: bool, collectives_in_graph
     checkpoints do not change."""
     if collectives_in_graph:
         torch._functorch.config.enable_autograd_cache = False
-    for block in getattr(model, plan.blocks).values():
+    blocks = [*getattr(model, plan.blocks).values(), *(getattr(parent, name) for parent, name in plan.blocks_elsewhere(model))]
+    for block in blocks:
         for unit in plan.compile_units(block, tp_enabled):
             unit.compile(backend=backend, fullgraph=True)

@@ -76,7 +76,7 @@ def parallelize(
 
     ac = config.activation_checkpoint
     if ac.mode != "none":
-        apply_ac(getattr(model, plan.blocks), ac)
+        apply_ac(model, plan, ac)
 
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, plan, dims.tp_enabled, collectives_in_graph=dims.tp_enabled or dims.cp_enabled, backend=config.compile.backend)

@@ -82,4 +82,5 @@ PLAN = ParallelPlan(
     # shapes their outputs (1536 and 576 wide) are too narrow for float8 to pay for its casts.
     float8_excluded=moe_plan.PLAN.float8_excluded + ("attention.wq_a", "attention.wkv_a"),
     tail_on_one_stage=True,
+    blocks_elsewhere=lambda model: [(module, "block") for module in (model.mtp or {}).values()],
 )
