@@ -52,6 +52,12 @@ BLOCK_CAUSAL = ["--model.attn_mask_type", "block_causal", "--model.attn_type"]  
 # The debug MoE (8 experts, top 2, a shared expert) on the CPU shape; EP splits its experts.
 MOE, EP = ["--model.name", "moe", "--model.flavor", "debugmoe"], "--parallelism.expert_parallel_degree"
 # Qwen3-30B-A3B's block shape (128 experts, top 8, q/k norms) with 4 of its 48 blocks: one GPU.
+# DeepSeek-V3's debug model (MLA, group-limited routing, one MTP depth) on the CPU shape.
+DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+# DeepSeek-V2-Lite's shape (16B flavor: MLA without query compression, 64 experts, top 6) with 4 of its
+# 27 blocks and one MTP depth: one GPU.
+GPU_DSV3_SHAPE = ["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.n_layers", "4", "--model.flavor_overrides",
+                  "mtp_depth=1", "--training.seq_len", "4096", "--training.local_batch_size", "2"]
 GPU_MOE_SHAPE = ["--model.name", "moe", "--model.flavor", "qwen3_30b_a3b", "--model.n_layers", "4", "--training.seq_len", "4096",
                  "--training.local_batch_size", "2"]
 
@@ -68,6 +74,8 @@ PRESETS = {
         Run("moe_1rank", 1, MOE),
         Run("moe_ep2", 2, MOE + [EP, "2"]),
         Run("moe_ep2_fsdp2", 4, MOE + [EP, "2"]),
+        Run("dsv3_1rank", 1, DSV3),
+        Run("dsv3_ep2", 2, DSV3 + [EP, "2"]),
     ]),
     "gpu": (GPU_SHAPE, None, [
         Run("bf16", 1),
@@ -80,6 +88,8 @@ PRESETS = {
         Run("bf16_compile_block_causal_flex", 1, COMPILE + BLOCK_CAUSAL + ["flex"]),
         Run("bf16_compile_block_causal_sdpa", 1, COMPILE + BLOCK_CAUSAL + ["sdpa"]),
         Run("moe_qwen3_30b_a3b_bf16_compile", 1, GPU_MOE_SHAPE + COMPILE),
+        Run("dsv3_debug_bf16_compile", 1, DSV3 + COMPILE + ["--training.seq_len", "4096", "--training.local_batch_size", "8"]),
+        Run("dsv3_16b_4_blocks_bf16_compile", 1, GPU_DSV3_SHAPE + COMPILE),
     ]),
     # A quick end-to-end check of this script (the tests run it).
     "smoke": (["--training.seq_len", "64", "--training.local_batch_size", "2"], 1, [Run("1rank", 1, bare=True), Run("fsdp2", 2)]),

@@ -196,11 +196,17 @@ CASES_DSV3_2 = {
     # MLA's narrow down projections).
     "dsv3_ep2_compile": DSV3 + [EP, "2", "--compile.enable"],
     "dsv3_fsdp2_float8": DSV3 + F8,
+    # Without multi-token prediction.
+    "dsv3_tp2_no_mtp": DSV3 + [TP, "2", "--model.flavor_overrides", "mtp_depth=0"],
+    "dsv3_pp2_zbvzerobubble": DSV3 + PP + schedule("ZBVZeroBubble"),
+    "dsv3_pp2_dualpipev": DSV3 + PP + schedule("DualPipeV"),
 }
 CASES_DSV3_4 = {
     "dsv3_ep2_fsdp2": DSV3 + [EP, "2"],
     "dsv3_fsdp2_tp2": DSV3 + [TP, "2"],
     "dsv3_cp2_ep2": DSV3 + [CP, "2", EP, "2"],
+    "dsv3_ep2_tp2_etp2": DSV3 + [EP, "2", TP, "2", ETP, "2"],
+    "dsv3_cp2_ep2_aux": DSV3 + [CP, "2", EP, "2", "--model.moe_aux_loss_coeff", "0.01"],
 }
 
 # The extended matrix: variants of layouts the default cases already cover (another float8 recipe,
@@ -220,7 +226,7 @@ EXTENDED = {
     "fsdp2_separate_projections_ac_selective_op", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
     "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
-    "tp2_sp_lp", "free_cp2", "doc_fsdp2",
+    "tp2_sp_lp", "free_cp2", "doc_fsdp2", "dsv3_pp2_zbvzerobubble", "dsv3_pp2_dualpipev", "dsv3_tp2_separate_projections",
 }
 TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2
 FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4

@@ -263,7 +263,8 @@ class Trainer:
         self.mtp_loss.zero_()
         self.before_step()
         objective = sum(self.forward(x, y, backward=True) for x, y in microbatches)
-        return objective - self.mtp_loss_weight * self.mtp_loss  # the model's own loss; step_extras has MTP's
+        # The model's own loss (step_extras logs MTP's).
+        return objective - self.mtp_loss_weight * self.mtp_loss if self.mtp_depth else objective
 
     def global_tokens(self, labels: torch.Tensor) -> int:
         """The tokens of `labels` on every data-parallel rank together (before any sequence split): every

@@ -18,6 +18,11 @@ from titanlite.models.moe.args import check_config as check_moe_config
 from titanlite.models.moe.args import check_moe
 
 
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 without scaling)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 @dataclass(frozen=True)
 class DeepSeekV3Args(MoEArgs):
     q_lora_rank: int = 1536  # 0: no query compression
@@ -48,21 +53,13 @@ class DeepSeekV3Args(MoEArgs):
 
     @property
     def softmax_mscale(self) -> float:
-        """YaRN's factor on the attention logits (applied as mscale^2 to the softmax scale)."""
-        if self.yarn_factor <= 1:
-            return 1.0
-        return (0.1 * self.yarn_mscale_all_dim * math.log(self.yarn_factor) + 1.0) ** 2
+        """YaRN's factor on the attention logits (mscale^2 on the softmax scale)."""
+        return yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim) ** 2
 
     @property
     def rope_attention_factor(self) -> float:
         """YaRN's factor on cos/sin: mscale over mscale_all_dim (1 for V3, whose two are equal)."""
-        if self.yarn_factor <= 1:
-            return 1.0
-
-        def mscale(m: float) -> float:
-            return 0.1 * m * math.log(self.yarn_factor) + 1.0
-
-        return mscale(self.yarn_mscale) / mscale(self.yarn_mscale_all_dim)
+        return yarn_mscale(self.yarn_factor, self.yarn_mscale) / yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim)
 
     @property
     def attention_params(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, dequantized, hf_tensors, read_hf_config, write_shards
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args, check_hf_exportable
 from titanlite.models.llama3 import hf as llama3_hf
+from titanlite.models.moe.hf import EXPERT_NAMES, HF_EXPERT_NAMES
 
 LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -34,11 +35,9 @@ LAYER_NAMES = {
 } | {
     f"feed_forward.{ours}{part}.weight": f"mlp.{theirs}{proj}.weight"
     for ours, theirs in (("", ""), ("shared_experts.", "shared_experts."))
-    for part, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    for part, proj in EXPERT_NAMES.items()
 }
 HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
-EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-HF_EXPERT_NAMES = {v: k for k, v in EXPERT_NAMES.items()}
 EXPERTS = re.compile(r"^(.+)\.feed_forward\.experts\.(w[123])$")
 HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 BLOCK = re.compile(r"^(layers\.\d+|mtp\.\d+\.block)\.(.+)$")
