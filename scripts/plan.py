@@ -4,6 +4,7 @@
     python scripts/plan.py --model 405B --gpu H200 --gpus 512 --float8 --top 10
     python scripts/plan.py --dims 12288,96,96,8 --vocab 50304 --gpu H100 --gpus 1024 --seq-len 2048 --global-batch 1536
     python scripts/plan.py --model 8B --gpu H100 --gpus 8 --layout dp_shard=8,ac=op   # one layout, estimated
+    python scripts/plan.py --model deepseek_v3_671B --gpu H100 --gpus 1024 --seq-len 4096 --global-batch 8192
 
 Ranks the layouts that fit by estimated step time and explains the winner against the nearest
 alternatives (see titanlite/planner/cost_model.py for the model and its constants; docs/planner.md for how
@@ -21,13 +22,15 @@ from pathlib import Path
 from titanlite.hardware import GPUS, find_gpu
 from titanlite.models.common.args import ModelArgs
 from titanlite.models.llama3.args import LLAMA3_FLAVORS
+from titanlite.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from titanlite.models.moe.args import MOE_FLAVORS
 from titanlite.planner import FITTED, GIB, Layout, breakdown, estimate, explain, fit_constants, plan, published_runs
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-FLAVORS = {name: args for name, args in (LLAMA3_FLAVORS | MOE_FLAVORS).items() if "debug" not in name}
+FLAVORS = {name: args for name, args in (LLAMA3_FLAVORS | MOE_FLAVORS | {f"deepseek_v3_{k}": v for k, v in DEEPSEEK_V3_FLAVORS.items()}).items()
+           if "debug" not in name}
 PUBLISHED = REPO / "docs" / "published_runs.jsonl"
 
 
@@ -56,7 +59,7 @@ def parse_layout(text: str) -> Layout:
         key, _, value = item.partition("=")
         if key not in kinds:
             raise SystemExit(f"plan.py: --layout key '{key}' unknown; use {', '.join(kinds)}")
-        values[key] = value if key == "ac" else (value.lower() == "true" if key == "float8" else int(value))
+        values[key] = value if key == "ac" else (value.lower() == "true" if kinds[key] in ("bool", bool) else int(value))
     return Layout(**values)
 
 

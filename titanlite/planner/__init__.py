@@ -2,6 +2,7 @@
 (scripts/plan.py is its command line; docs/planner.md has the model, its constants and its errors).
 
   cost_model.py  the model: its constants (fitted and stated), Layout, Estimate, estimate()
+  shapes.py      what it reads from a model's shapes (latent attention, multi-token prediction, routing)
   fit.py         the published runs it is fitted and checked on, and the fit of its constants
   search.py      the candidate layouts, the plan (those that fit, fastest first) and its explanation
 
@@ -10,10 +11,9 @@ fit_constants rebinds the fitted ones, so read and set them in cost_model, where
 them (`from titanlite.planner import cost_model`; a copy here would go stale).
 """
 
-from titanlite.planner.cost_model import (
-    FITTED, GIB, GPU_OVERHEAD, Estimate, Layout, block_activation_elements, estimate, expert_params, gpu_family, stage_params,
-)
+from titanlite.planner.cost_model import FITTED, GIB, GPU_OVERHEAD, Estimate, Layout, estimate, gpu_family
 from titanlite.planner.fit import PublishedRun, fit_constants, fit_loss, published_runs
+from titanlite.planner.shapes import block_activation_elements, expert_params, stage_params
 from titanlite.planner.search import (
     breakdown, candidate_layouts, differences, explain, outside_validation, plan, powers_of_two,
 )

@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 
 from titanlite.hardware import GPU
-from titanlite.models.common.args import ModelArgs
+from titanlite.models.common.args import ModelArgs, MoEArgs
 from titanlite.planner import cost_model
-from titanlite.planner.cost_model import FITTED, UPPER_BOUNDS, Estimate, Layout, estimate
+from titanlite.planner.cost_model import FITTED, MOE_FITTED, UNFITTED, UPPER_BOUNDS, Estimate, Layout, estimate
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,14 @@ class PublishedRun:
     layout: Layout
     power_watts: float | None
     software: str
+    values_padded: bool  # MLA's values padded to the query/key head dim (shapes.py): not under TE's attention
     tokens_per_second_per_gpu: float
     holdout: bool  # not used to fit the constants
     excluded: str | None  # why the run is shown but neither fitted nor counted in the error
 
     def estimate(self) -> Estimate:
         return estimate(self.model, self.seq_len, self.global_batch, self.gpu, self.layout, power_watts=self.power_watts,
-                        software=self.software)
+                        software=self.software, values_padded=self.values_padded)
 
     @property
     def error(self) -> float:
@@ -41,18 +42,20 @@ class PublishedRun:
 
 
 def published_runs(path) -> list[PublishedRun]:
-    """The runs of a published_runs.jsonl: shapes (a non-gated MLP as the SwiGLU with its weights),
-    layouts (Megatron's data parallel with its distributed optimizer as ZeRO-1 replicas)."""
+    """The runs of a published_runs.jsonl: shapes (a family's flavor with its `overrides`, or a dense
+    shape: a non-gated MLP as the SwiGLU with its weights), layouts (Megatron's data parallel with its
+    distributed optimizer as ZeRO-1 replicas)."""
     import json
+    from dataclasses import replace
 
     from titanlite.hardware import find_gpu
-    from titanlite.models.moe.args import MOE_FLAVORS
+    from titanlite.models import model_args
 
     runs = []
     for line in open(path):
         r = json.loads(line)
         if "flavor" in r:
-            model = MOE_FLAVORS[r["flavor"]]
+            model = replace(model_args(r.get("family", "moe"), r["flavor"], 0, r["seq"]), **r.get("overrides", {}))
         else:
             shape = r["shape"]
             ffn = shape["ffn_hidden"] if shape["gated"] else 2 * shape["ffn_hidden"] // 3
@@ -62,12 +65,15 @@ def published_runs(path) -> list[PublishedRun]:
         data = dict(dp_shard=dp) if r["dp_kind"] == "fsdp" else dict(dp_replicate=dp, zero1=r["dp_kind"] == "zero1")
         layout = Layout(tp=r["tp"], pp=r["pp"], vp=r["vp"], cp=r["cp"], ep=r["ep"], microbatch=r["microbatch"], ac=r["recompute"],
                         float8=r["float8"], tp_overlap=r["tp_overlap"], compile=r.get("compile", False),
-                        sp_regather=r["framework"] == "megatron" and r["tp"] > 1, **data)
+                        sp_regather=r["framework"] == "megatron" and r["tp"] > 1, ep_dedup=r.get("ep_dedup", False),
+                        ep_overlap=r.get("ep_overlap", False), cp_allgather=r.get("cp_allgather", False),
+                        accumulation=r.get("accumulation", 1), last_stage_blocks=r.get("last_stage_blocks", 0), **data)
         runs.append(PublishedRun(
             r["id"], f"{r['framework']} {r['model']}, {r['gpus']} {r['gpu']}", model, r["seq"], r["global_batch"], find_gpu(r["gpu"]),
             # NeMo AutoModel trains with FSDP2, as TorchTitan does.
-            layout, r["power_w"], "torchtitan" if r["framework"] == "automodel" else r["framework"], r["tokens_per_s_per_gpu"],
-            r["holdout"], r.get("excluded"),
+            layout, r["power_w"], "torchtitan" if r["framework"] == "automodel" else r["framework"],
+            # Transformer Engine's attention (Megatron's, NeMo AutoModel's) takes MLA's values unpadded.
+            r["framework"] not in ("megatron", "automodel"), r["tokens_per_s_per_gpu"], r["holdout"], r.get("excluded"),
         ))
     return runs
 
@@ -80,17 +86,29 @@ def fit_loss(runs: list[PublishedRun]) -> float:
 
 
 def fit_constants(runs: list[PublishedRun], rounds: int = 10, restarts: int = 0, seed: int = 0) -> dict:
-    """Set FITTED's constants to those that minimize `fit_loss` over `runs`: coordinate descent from
-    the current values (relative steps of 20%, 5% and 1%, shares kept at most 1), then from
-    `restarts` starts that perturb the best so far by about 15% each (seeded), keeping the best.
-    Returns their values."""
+    """Set FITTED's constants to those that minimize `fit_loss`, in two stages: those every run reads,
+    over the dense runs; then MOE_FITTED's, which only MoE blocks read, over the MoE runs with the
+    others held (the few MoE runs must not move what the many dense ones determine). Each stage:
+    coordinate descent from the current values (relative steps of 20%, 5% and 1%, shares kept at
+    most 1), then from `restarts` starts that perturb the best so far by about 15% each (seeded),
+    keeping the best. Returns their values."""
+    dense_names = tuple(name for name in FITTED if name not in MOE_FITTED)
+    for names, stage_runs in ((dense_names, [r for r in runs if not isinstance(r.model, MoEArgs)]),
+                              (MOE_FITTED, [r for r in runs if isinstance(r.model, MoEArgs)])):
+        if stage_runs:
+            fit_stage(names, stage_runs, rounds, restarts, seed)
+    return {name: getattr(cost_model, name) for name in FITTED}
+
+
+def fit_stage(names: tuple[str, ...], runs: list[PublishedRun], rounds: int, restarts: int, seed: int) -> None:
+    """Coordinate descent (and seeded restarts) of the constants `names` over `runs`; see fit_constants."""
     import random
 
     module = cost_model  # the constants live where estimate() reads them
     keys = []
-    for name in FITTED:
+    for name in names:
         value = getattr(module, name)
-        keys += [(name, key) for key in value if not (name == "SOFTWARE" and key == "megatron")] if isinstance(value, dict) else [(name, None)]
+        keys += [(name, key) for key in value if (name, key) not in UNFITTED] if isinstance(value, dict) else [(name, None)]
 
     def get(name, key):
         return getattr(module, name)[key] if key else getattr(module, name)
@@ -131,4 +149,3 @@ def fit_constants(runs: list[PublishedRun], rounds: int = 10, restarts: int = 0,
             best_loss, best = loss, {k: get(*k) for k in keys}
     for k, value in best.items():
         put(*k, value)
-    return {name: getattr(module, name) for name in FITTED}

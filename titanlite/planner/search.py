@@ -95,6 +95,14 @@ def differences(a: Layout, b: Layout) -> str:
     return ", ".join(f"{label} {getattr(b, key)}" for key, label in names.items() if getattr(a, key) != getattr(b, key)) or "the same"
 
 
+def slower(rival: Estimate, best: Estimate) -> str:
+    """How much longer `rival`'s step is than `best`'s, and the parts that make the difference."""
+    reasons = [f"{k} {1000 * (rival.time.get(k, 0) - best.time.get(k, 0)):+.0f} ms"
+               for k in sorted(set(rival.time) | set(best.time))
+               if abs(rival.time.get(k, 0) - best.time.get(k, 0)) > 0.02 * best.step_time]
+    return f"{100 * (rival.step_time / best.step_time - 1):+.1f}% step time: " + (", ".join(reasons) or "same costs within 2%")
+
+
 def explain(fitting: list[Estimate], rejected: list[Estimate], model: ModelArgs | None = None, seq_len: int = 0) -> list[str]:
     """Why the best layout wins: its costs, the layouts as fast as it, what the nearest alternatives
     lose, and where it leaves the range the model was validated on."""
@@ -112,21 +120,28 @@ def explain(fitting: list[Estimate], rejected: list[Estimate], model: ModelArgs 
         shown = "; ".join(differences(best.layout, e.layout) for e in ties[:3])
         lines.append(f"  {len(ties)} more within 1% (the model cannot rank them; pick the least memory or the simplest), "
                      f"e.g. with {shown}")
-    for changed in ("tp", "pp", "ac", "float8", "cp", "ep"):
-        rivals = [e for e in fitting[1:] if getattr(e.layout, changed) != getattr(best.layout, changed)]
+    # Each alternative: the fastest layout that fits on the other side of one choice (pipelining or not,
+    # a smaller EP: the two a MoE plan turns on), and for those two the one nearest to fitting of the
+    # layouts that would beat it: what it lacks.
+    other_side = {"tp": lambda a, b: a.tp != b.tp, "pp": lambda a, b: (a.pp > 1) != (b.pp > 1), "ac": lambda a, b: a.ac != b.ac,
+                  "float8": lambda a, b: a.float8 != b.float8, "cp": lambda a, b: a.cp != b.cp, "ep": lambda a, b: b.ep < a.ep}
+    for changed, differs in other_side.items():
+        rivals = [e for e in fitting[1:] if differs(best.layout, e.layout)]
         if not rivals:
             continue
         rival = rivals[0]
-        slower = 100 * (rival.step_time / best.step_time - 1)
-        reasons = [f"{k} {1000 * (rival.time.get(k, 0) - best.time.get(k, 0)):+.0f} ms"
-                   for k in sorted(set(rival.time) | set(best.time))
-                   if abs(rival.time.get(k, 0) - best.time.get(k, 0)) > 0.02 * best.step_time]
-        lines.append(f"  vs {changed} {getattr(rival.layout, changed)} ({rival.layout.describe()}): {slower:+.1f}% step time: "
-                     + (", ".join(reasons) or "same costs within 2%"))
+        lines.append(f"  vs {changed} {getattr(rival.layout, changed)} ({rival.layout.describe()}): {slower(rival, best)}")
         if changed == "tp":
             lines.append(f"     matmul efficiency {100 * best.matmul_efficiency:.0f}% of peak at tp {best.layout.tp} vs "
                          f"{100 * rival.matmul_efficiency:.0f}% at tp {rival.layout.tp} (each GPU's GEMMs shrink with tp); "
                          "TP traffic per GPU does not shrink with tp while compute does")
+        if changed not in ("pp", "ep"):
+            continue
+        faster = min((e for e in rejected if differs(best.layout, e.layout) and e.step_time < rival.step_time),
+                     key=lambda e: e.memory_total, default=None)  # the nearest to fitting
+        if faster is not None:
+            lines.append(f"     a faster one with {changed} {getattr(faster.layout, changed)} does not fit: {faster.layout.describe()} "
+                         f"needs {faster.memory_total / GIB:.0f} of {faster.capacity / GIB:.0f} GiB ({slower(faster, best)})")
     if rejected:
         lines.append(f"  {len(rejected)} layouts do not fit, e.g. {rejected[-1].layout.describe()} needs "
                      f"{rejected[-1].memory_total / GIB:.0f} GiB")
