@@ -51,13 +51,13 @@ COMPILE, FLOAT8 = ["--compile.enable"], ["--model.converters", "float8"]
 BLOCK_CAUSAL = ["--model.attn_mask_type", "block_causal", "--model.attn_type"]  # + the kernel
 # The debug MoE (8 experts, top 2, a shared expert) on the CPU shape; EP splits its experts.
 MOE, EP = ["--model.name", "moe", "--model.flavor", "debugmoe"], "--parallelism.expert_parallel_degree"
-# Qwen3-30B-A3B's block shape (128 experts, top 8, q/k norms) with 4 of its 48 blocks: one GPU.
 # DeepSeek-V3's debug model (MLA, group-limited routing, one MTP depth) on the CPU shape.
 DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 # DeepSeek-V2-Lite's shape (16B flavor: MLA without query compression, 64 experts, top 6) with 4 of its
 # 27 blocks and one MTP depth: one GPU.
 GPU_DSV3_SHAPE = ["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.n_layers", "4", "--model.flavor_overrides",
                   "mtp_depth=1", "--training.seq_len", "4096", "--training.local_batch_size", "2"]
+# Qwen3-30B-A3B's block shape (128 experts, top 8, q/k norms) with 4 of its 48 blocks: one GPU.
 GPU_MOE_SHAPE = ["--model.name", "moe", "--model.flavor", "qwen3_30b_a3b", "--model.n_layers", "4", "--training.seq_len", "4096",
                  "--training.local_batch_size", "2"]
 

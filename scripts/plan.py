@@ -24,7 +24,7 @@ from titanlite.models.common.args import ModelArgs
 from titanlite.models.llama3.args import LLAMA3_FLAVORS
 from titanlite.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from titanlite.models.moe.args import MOE_FLAVORS
-from titanlite.planner import FITTED, GIB, Layout, breakdown, estimate, explain, fit_constants, plan, published_runs
+from titanlite.planner import FITTED, GIB, Layout, breakdown, estimate, explain, fit_constants, plan, published_runs, run_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -122,6 +122,8 @@ def main() -> int:
               f"{e.tokens_per_second_per_gpu:10,.0f} {100 * e.mfu:5.1f}%")
     print()
     print("\n".join(explain(fitting, rejected, model, args.seq_len)))
+    if fitting:
+        print(f"\nrun it: ./run_train.sh --training.seq_len {args.seq_len} {' '.join(run_flags(fitting[0].layout, model, global_batch))}")
     return 0
 
 

@@ -62,7 +62,8 @@ def run_command(cmd: list[str], timeout: float = 300, **kwargs):
 def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = None):
     """(objective, the model's own loss), both summed over tokens, of a model with DeepSeek-V3's
     multi-token prediction, by DeepSeek's formula: depth k reads the token k ahead of each position
-    and predicts the one after, its hidden state chained from depth k-1, and its loss counts the T-k
+    and predicts the one after, from the hidden state the previous head read (after the model's final
+    norm, or depth k-1's), and its loss counts the T-k
     positions whose target lies in the window; objective = own + weight/D sum_k depth k's. The last
     k positions still run (reading token 0: causal attention keeps them from the others' outputs)
     because titanlite runs them: their tokens count in the MTP block's MoE balance."""
@@ -79,10 +80,11 @@ def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = N
     rope, mask = model.position_inputs(positions, document_ids)
     for layer in model.layers.values():
         h = layer(h, rope, mask)
-    own = cross_entropy_sum(model.output(model.norm(h)), y)
+    h = model.norm(h)
+    own = cross_entropy_sum(model.output(h), y)
     depths = []
     for k, module in enumerate(model.mtp.values(), 1):
         ahead = torch.cat([tokens[:, k : s + 1], torch.zeros_like(tokens[:, : k - 1])], dim=1)
-        h = module(h, model.tok_embeddings(ahead), rope, mask)
-        depths.append(cross_entropy_sum(model.output(module.norm(h))[:, : s - k], tokens[:, k + 1 : s + 1]))
+        h = module.norm(module(h, model.tok_embeddings(ahead), rope, mask))
+        depths.append(cross_entropy_sum(model.output(h)[:, : s - k], tokens[:, k + 1 : s + 1]))
     return own + weight / len(depths) * sum(depths), own

@@ -156,17 +156,23 @@ def test_dry_run_checks_a_moe_layout_with_expert_and_pipeline_parallel():
     assert "235,093,634,560 params" in out.stdout
 
 
-def test_dry_run_checks_deepseek_v3_671b_with_expert_and_pipeline_parallel():
-    """DeepSeek-V3 (671B + its 11.6B MTP module) on 256 ranks: 8 pipeline stages (2 per rank, the MTP
-    module on the last) x 32 data ranks, the experts over all 32."""
-    env = {**os.environ, "NGPU": "8", "NNODES": "32", "COMM_MODE": "fake_backend", "PYTHON": sys.executable,
+def test_dry_run_checks_deepseek_v3_671b_on_the_planners_layout():
+    """DeepSeek-V3 (671B + its 11.6B MTP module) on 1,024 H100: the planner's best layout (expert and
+    pipeline parallel) goes through run_train.sh as the flags plan.py prints, in a fake_backend dry run."""
+    from titanlite.hardware import find_gpu
+    from titanlite.models import model_args
+    from titanlite.planner import plan, run_flags
+
+    model = model_args("deepseek_v3", "671B", 0, 4096)
+    best = plan(model, 4096, 8192, find_gpu("H100"), 1024)[0][0].layout
+    assert best.ep >= 8 and best.pp > 1, best
+    env = {**os.environ, "NGPU": "8", "NNODES": "128", "COMM_MODE": "fake_backend", "PYTHON": sys.executable,
            "CONFIG_FILE": "train_configs/debug_deepseek_v3.toml"}
-    out = run_command(["./run_train.sh", "--model.flavor", "671B", "--model.hf_assets_path", "byte",
-                       "--parallelism.pipeline_parallel_degree", "8", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                       "--parallelism.expert_parallel_degree", "32", "--training.seq_len", "4096", "--training.local_batch_size", "16",
-                       "--validation.enable", "false"], cwd=REPO, env=env)
+    out = run_command(["./run_train.sh", "--model.flavor", "671B", "--model.hf_assets_path", "byte", "--training.seq_len", "4096",
+                       *run_flags(best, model, 8192), "--validation.enable", "false"], cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "dry run OK" in out.stdout and "pp=8 x dp_replicate=1 x dp_shard=32 x cp=1 x tp=1, ep=32 (world 256)" in out.stdout
+    layout = f"pp={best.pp} x dp_replicate={best.dp_replicate} x dp_shard={best.dp_shard} x cp={best.cp} x tp={best.tp}, ep={best.ep} (world 1024)"
+    assert "dry run OK" in out.stdout and layout in out.stdout, out.stdout[-2000:]
     assert "682,636,472,320 params" in out.stdout  # 671,026,404,352 + 11,610,067,968 for MTP
 
 

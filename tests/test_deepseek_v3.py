@@ -42,7 +42,7 @@ def our_args_pairs(config, **overrides) -> list[str]:
     """model.flavor_overrides giving the shapes of a DeepseekV3Config."""
     c = config
     pairs = dict(
-        dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads, n_kv_heads=c.num_attention_heads,
+        dim=c.hidden_size, n_heads=c.num_attention_heads, n_kv_heads=c.num_attention_heads,
         dense_hidden_dim=c.intermediate_size, moe_hidden_dim=c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
         num_experts=c.n_routed_experts, route_scale=c.routed_scaling_factor, kv_lora_rank=c.kv_lora_rank,
         q_lora_rank=c.q_lora_rank or 0, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
@@ -52,11 +52,16 @@ def our_args_pairs(config, **overrides) -> list[str]:
     return [f"{k}={v}" for k, v in pairs.items()]
 
 
-def our_args(config, **overrides):
-    """The titanlite args of the same shapes, through model.flavor_overrides as a user would write them."""
+def our_cli(config, **overrides) -> list[str]:
+    """The [model] settings of a DeepseekV3Config's shapes, as a user would write them."""
     pairs = ",".join(our_args_pairs(config, **overrides))
-    model = parse_args(["--model.name", "deepseek_v3", "--model.flavor_overrides", pairs]).model
-    return model_args("deepseek_v3", "debugmodel", config.vocab_size, config.max_position_embeddings, model_config=model)
+    return ["--model.name", "deepseek_v3", "--model.n_layers", str(config.num_hidden_layers), "--model.flavor_overrides", pairs]
+
+
+def our_args(config, **overrides):
+    """The titanlite args of the same shapes."""
+    model = parse_args(our_cli(config, **overrides)).model
+    return model_args("deepseek_v3", "debugmodel", config.vocab_size, config.max_position_embeddings, model.n_layers, model)
 
 
 def random_reference(config):
@@ -156,6 +161,8 @@ def test_float8_release_weights_are_multiplied_out_by_their_block_scales(tmp_pat
     ("n_group=4,topk_group=1,top_k=3", "topk_group=1 groups of 2 experts hold fewer than top_k=3"),
     ("kv_rank=3", "model.flavor_overrides entry 'kv_rank=3' is not name=value with a name of the flavor's shape"),
     ("n_group=two", "'two' is not a valid int for n_group"),
+    ("v_head_dim=64", "v_head_dim=64 is wider than the query/key head"),
+    ("max_seq_len=16", "max_seq_len has its own key; set training.seq_len instead"),
 ])
 def test_bad_shapes_are_refused_before_launch(pairs, message):
     with pytest.raises(ConfigError, match=message):
@@ -166,7 +173,8 @@ def test_multi_token_prediction_loss_follows_deepseeks_formula(tmp_path):
     """L = L_main + lambda/D sum_k L_MTP^k, L_MTP^k = -1/T sum_i log P_i^k[t_(i+k+1)] over the positions
     whose target lies in the window: computed here by hand from the model's modules, each depth on
     the sequence cut to its T-k positions (causal attention: the positions after cannot matter), each
-    depth's hidden state chained from the one before it. The trainer's loss (and gradients) must agree."""
+    depth reading the hidden state the head before it read (normed). Norm weights are random, so a
+    depth fed the un-normed state would differ. The trainer's loss (and gradients) must agree."""
     import torch.distributed as dist
 
     from helpers import tiny_args
@@ -177,9 +185,13 @@ def test_multi_token_prediction_loss_follows_deepseeks_formula(tmp_path):
     try:
         (tmp_path / "c.jsonl").write_text('{"text": "unused"}\n')
         overrides = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.flavor_overrides",
-                     "mtp_depth=2,mtp_loss_weight=0.3,n_layers=2", "--model.moe_load_balance_coeff", "0"]
+                     "mtp_depth=2,mtp_loss_weight=0.3", "--model.n_layers", "2", "--model.moe_load_balance_coeff", "0"]
         trainer = Trainer(parse_args(tiny_args(tmp_path / "c.jsonl", tmp_path, *overrides)), torch.device("cpu"))
         model = trainer.model_parts[0]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
         tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(3))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         b, s = inputs.shape
@@ -192,13 +204,14 @@ def test_multi_token_prediction_loss_follows_deepseeks_formula(tmp_path):
         h = model.tok_embeddings(inputs)
         for layer in model.layers.values():
             h = layer(h, model.rope)
-        by_hand = cross_entropy_sum(model.output(model.norm(h)), labels) / (b * s)
+        h = model.norm(h)
+        by_hand = cross_entropy_sum(model.output(h), labels) / (b * s)
         depths = []
         for k in (1, 2):
             h = h[:, : s - k]  # position i of depth k reads the token k ahead and predicts the one after
-            h = model.mtp[str(k - 1)](h, model.tok_embeddings(tokens[:, k : s]), model.rope, None)
-            logits = model.output(model.mtp[str(k - 1)].norm(h))
-            depths.append(cross_entropy_sum(logits, tokens[:, k + 1 : s + 1]) / (b * s))
+            module = model.mtp[str(k - 1)]
+            h = module.norm(module(h, model.tok_embeddings(tokens[:, k : s]), model.rope, None))
+            depths.append(cross_entropy_sum(model.output(h), tokens[:, k + 1 : s + 1]) / (b * s))
         by_hand = by_hand + 0.3 / 2 * sum(depths)
         by_hand.backward()
         torch.testing.assert_close(loss, by_hand.detach(), rtol=1e-6, atol=1e-6)  # forward returns the objective
@@ -250,8 +263,7 @@ def test_mtp_layers_round_trip_as_deepseeks_layer_after_the_model_and_may_be_abs
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         (tmp_path / "c.jsonl").write_text('{"text": "unused"}\n')
-        pairs = ",".join(arg for arg in our_args_pairs(config, mtp_depth=1))
-        cli = ["--model.name", "deepseek_v3", "--model.flavor_overrides", pairs, "--training.seq_len", "64"]
+        cli = [*our_cli(config, mtp_depth=1), "--training.seq_len", "64"]
         trainer = Trainer(parse_args(tiny_args(tmp_path / "c.jsonl", tmp_path, *cli)), torch.device("cpu"))
         model = trainer.model_parts[0]
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -260,14 +272,22 @@ def test_mtp_layers_round_trip_as_deepseeks_layer_after_the_model_and_may_be_abs
         for name, p in model.named_parameters():
             expected = initial[name] if name.startswith("mtp.") else hf_state[name]
             assert torch.equal(p.detach(), expected), name
+        # A file whose routing or RoPE differs from the model's is refused, naming the key.
+        config_json = tmp_path / "hf" / "config.json"
+        original = json.loads(config_json.read_text())
+        for change, words in [({"routed_scaling_factor": 1.0}, "routed_scaling_factor=1.0"),
+                              ({"rope_parameters": YARN}, "applies YaRN with factor 4.0 at every length")]:
+            config_json.write_text(json.dumps(original | change))
+            with pytest.raises(ConfigError, match=words):
+                trainer.checkpointer.load_hf_weights(tmp_path / "hf")
     finally:
         dist.destroy_process_group()
 
 
-def test_float8_skips_the_router_and_mlas_down_projections_and_ac_wraps_the_mtp_block():
-    """float8 converts MLA's up projections, wo and the dense SwiGLU, and leaves the router and the
-    narrow down projections in high precision; activation checkpointing wraps the MTP block as it
-    does the model's blocks."""
+def test_float8_skips_the_router_and_ac_wraps_the_mtp_block():
+    """float8 converts MLA's projections, the dense SwiGLU and the shared experts (DeepSeek-V3 trained
+    its GEMMs in float8), not the router; activation checkpointing wraps the MTP block as it does
+    the model's blocks."""
     from types import SimpleNamespace
 
     from titanlite.float8 import Float8Linear, convert_to_float8
@@ -281,9 +301,55 @@ def test_float8_skips_the_router_and_mlas_down_projections_and_ac_wraps_the_mtp_
     converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert {"layers.0.attention.wq_b", "layers.0.attention.wkv_b", "layers.0.attention.wo", "layers.0.feed_forward.w1",
             "layers.1.feed_forward.shared_experts.w2", "mtp.0.block.attention.wkv_b", "mtp.0.eh_proj"} <= converted
-    assert not converted & {"layers.1.attention.wq_a", "layers.1.attention.wkv_a", "layers.1.feed_forward.router.gate", "output"}
+    assert "layers.1.attention.wq_a" in converted and "layers.1.attention.wkv_a" in converted
+    assert not converted & {"layers.1.feed_forward.router.gate", "mtp.0.block.feed_forward.router.gate", "output"}
 
     ac = SimpleNamespace(mode="full", selective_ac_option="op", preserve_rng_state=False, determinism_check="default",
                          debug=False, early_stop=True)
     apply_ac(model, plan, ac)
     assert hasattr(model.mtp["0"].block, "_checkpoint_wrapped_module") and hasattr(model.layers["3"], "_checkpoint_wrapped_module")
+
+
+def test_mtp_module_joins_the_normed_embedding_and_hidden_state_embedding_first():
+    """eh_proj's first `dim` input columns read enorm(embedding of the token ahead), the rest hnorm(hidden
+    state), as DeepSeek's released layer is laid out: computed here with the weight split by hand,
+    distinct norm weights, and the block's input caught on its way in."""
+    from titanlite.models.deepseek_v3.model import MultiTokenPrediction
+
+    args = model_args("deepseek_v3", "debugmodel", 256, 16)
+    module = MultiTokenPrediction(args.n_layers, args)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.5) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    h, embedded = torch.randn(2, 16, args.dim), torch.randn(2, 16, args.dim)
+    seen = []
+    module.block.register_forward_pre_hook(lambda block, inputs: seen.append(inputs[0]))
+    module(h, embedded, torch.zeros(16, args.rope_dim), None)
+
+    def rms_normed(x, weight):
+        return x / x.pow(2).mean(-1, keepdim=True).add(args.norm_eps).sqrt() * weight
+
+    w = module.eh_proj.weight
+    expected = rms_normed(embedded, module.enorm.weight) @ w[:, : args.dim].T + rms_normed(h, module.hnorm.weight) @ w[:, args.dim :].T
+    torch.testing.assert_close(seen[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_yarn_applies_past_the_original_length_or_always_when_asked():
+    """DeepSeek's rule: YaRN (frequencies and mscale) only for sequences longer than the original
+    context, so V3 pre-trains at 4K without it; yarn_always applies it at any length (transformers'
+    behaviour, for weights already extended)."""
+    from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
+
+    def args(seq_len, *pairs):
+        config = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.n_layers", "1",
+                             *(["--model.flavor_overrides", ",".join(pairs)] if pairs else [])])
+        return model_args("deepseek_v3", "16B", 0, seq_len, config.model.n_layers, config.model)
+
+    plain = torch.outer(torch.arange(16.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    for a, on in [(args(4096), False), (args(8192), True), (args(4096, "yarn_always=true"), True)]:
+        with torch.device("meta"):
+            model = DeepSeekV3Transformer(a)
+        table = model.rope_table()[:16]
+        assert a.yarn_on == on and (a.softmax_mscale != 1.0) == on
+        assert torch.allclose(table[:, :32], plain.cos() * a.rope_attention_factor, atol=1e-6) != on, a

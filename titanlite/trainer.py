@@ -214,19 +214,19 @@ class Trainer:
             yield inputs, labels, token_inputs
 
     def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """The summed cross entropy over the global token count. With multi-token prediction (output:
-        logits of the model and of each depth), plus mtp_loss_weight x the depths' mean loss (DeepSeek-V3's
-        L_MTP: each depth's over all the window's tokens); validation reports the model's own loss."""
+        """The summed cross entropy over the global token count. With multi-token prediction (labels:
+        the targets of each depth too) a model in training returns the logits of each depth as well:
+        plus mtp_loss_weight x the depths' mean loss (DeepSeek-V3's L_MTP: each depth's over all the
+        window's tokens); in evaluation it returns its own logits alone."""
+        if self.mtp_depth:
+            labels, depth_labels = labels[..., 0], labels[..., 1:]
         if not isinstance(output, tuple):
             return local_value(self.cross_entropy(output, labels)) / self.loss_scale
         logits, *predictions = output
-        loss = local_value(self.cross_entropy(logits, labels[..., 0]))
-        if torch.is_grad_enabled():
-            depths = [local_value(self.cross_entropy(p, labels[..., k], masked=True)) for k, p in enumerate(predictions, 1)]
-            mtp = sum(depths) / len(depths)
-            self.mtp_loss += mtp.detach() / self.loss_scale
-            loss = loss + self.mtp_loss_weight * mtp
-        return loss / self.loss_scale
+        depths = [local_value(self.cross_entropy(p, depth_labels[..., k], masked=True)) for k, p in enumerate(predictions)]
+        mtp = sum(depths) / len(depths)
+        self.mtp_loss += mtp.detach() / self.loss_scale
+        return (local_value(self.cross_entropy(logits, labels)) + self.mtp_loss_weight * mtp) / self.loss_scale
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
         """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last
@@ -241,11 +241,12 @@ class Trainer:
             args = (inputs,) if self.has_first_stage else ()
             losses = [] if self.has_last_stage else None
             target = labels if self.has_last_stage else None
+            # return_outputs=False: the last stage keeps no microbatch's logits past its loss.
             if backward:
-                self.pp_schedule.step(*args, target=target, losses=losses, **token_inputs)
+                self.pp_schedule.step(*args, target=target, losses=losses, return_outputs=False, **token_inputs)
             else:
                 with forward_only(self.pp_schedule):
-                    self.pp_schedule.eval(*args, target=target, losses=losses, **token_inputs)
+                    self.pp_schedule.eval(*args, target=target, losses=losses, return_outputs=False, **token_inputs)
             return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

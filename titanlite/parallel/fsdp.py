@@ -48,7 +48,8 @@ def apply_fsdp(
             if mesh is not None:
                 for unit in units(module):
                     fully_shard(unit, reshard_after_forward=reshard_after_forward, **(shard | {"mesh": mesh}))
-    for block in getattr(model, plan.blocks).values():
+    elsewhere = [getattr(parent, name) for parent, name in plan.blocks_elsewhere(model)]  # in the tail (MTP's)
+    for block in [*getattr(model, plan.blocks).values(), *elsewhere]:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     # The tail (the output) is used again right at the start of backward: by default keep it gathered.
     if tail:
@@ -57,7 +58,7 @@ def apply_fsdp(
     # Each unit starts the next one's all-gather as soon as its own is in: otherwise that gather would
     # start at the next unit's forward. On a GPU the CPU runs ahead of the kernels and it still overlaps;
     # on a CPU the thread that computes a block is the one that would start the gather, so nothing would.
-    units = [*_present(model, plan.head), *getattr(model, plan.blocks).values(), *([tail[0]] if tail else [])]
+    units = [*_present(model, plan.head), *getattr(model, plan.blocks).values(), *([tail[0]] if tail else []), *elsewhere]
     for unit, following in zip(units, units[1:]):
         unit.set_modules_to_forward_prefetch([following])
     gloo_reduce_scatter = AllToAllReduceScatter() if dist.get_backend(dp_mesh.get_group(-1)) == "gloo" else None

@@ -15,11 +15,11 @@ from titanlite.planner.cost_model import FITTED, GIB, GPU_OVERHEAD, Estimate, La
 from titanlite.planner.fit import PublishedRun, fit_constants, fit_loss, published_runs
 from titanlite.planner.shapes import block_activation_elements, expert_params, stage_params
 from titanlite.planner.search import (
-    breakdown, candidate_layouts, differences, explain, outside_validation, plan, powers_of_two,
+    breakdown, candidate_layouts, differences, explain, outside_validation, plan, powers_of_two, run_flags,
 )
 
 __all__ = [
     "FITTED", "GIB", "GPU_OVERHEAD", "Estimate", "Layout", "PublishedRun", "block_activation_elements", "breakdown",
     "candidate_layouts", "differences", "estimate", "expert_params", "explain", "fit_constants", "fit_loss", "gpu_family",
-    "outside_validation", "plan", "powers_of_two", "published_runs", "stage_params",
+    "outside_validation", "plan", "powers_of_two", "published_runs", "run_flags", "stage_params",
 ]

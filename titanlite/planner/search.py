@@ -146,3 +146,28 @@ def explain(fitting: list[Estimate], rejected: list[Estimate], model: ModelArgs 
         lines.append(f"  {len(rejected)} layouts do not fit, e.g. {rejected[-1].layout.describe()} needs "
                      f"{rejected[-1].memory_total / GIB:.0f} GiB")
     return lines
+
+
+def run_flags(layout: Layout, model: ModelArgs, global_batch: int) -> list[str]:
+    """The run_train.sh overrides that train `layout` (for layouts titanlite runs: no ZeRO-1, no
+    published-only dispatchers), with `global_batch` sequences a step: under PP one pipeline step of
+    all of a data rank's sequences, otherwise microbatches accumulated."""
+    p = "--parallelism."
+    data_ranks = layout.dp_replicate * layout.dp_shard
+    flags = [f"{p}data_parallel_replicate_degree", str(layout.dp_replicate), f"{p}data_parallel_shard_degree", str(layout.dp_shard),
+             f"{p}tensor_parallel_degree", str(layout.tp), f"{p}context_parallel_degree", str(layout.cp),
+             f"{p}expert_parallel_degree", str(layout.ep), f"{p}pipeline_parallel_degree", str(layout.pp),
+             "--training.global_batch_size", str(global_batch)]
+    if layout.pp > 1:
+        schedule = "ZBVZeroBubble" if layout.zero_bubble else "Interleaved1F1B" if layout.vp > 1 else "1F1B"
+        flags += [f"{p}pipeline_parallel_schedule", schedule, f"{p}pipeline_parallel_microbatch_size", str(layout.microbatch),
+                  "--training.local_batch_size", str(global_batch // data_ranks)]
+        if layout.vp > 2:  # more stages per rank than the interleaved default of 2
+            flags += [f"{p}pipeline_parallel_layers_per_stage", str(-(-(model.n_layers + 2) // (layout.pp * layout.vp)))]
+    else:
+        flags += ["--training.local_batch_size", str(layout.microbatch)]
+    flags += ["--activation_checkpoint.mode", {"none": "none", "op": "selective", "full": "full"}[layout.ac]]
+    flags += ["--model.converters", "float8"] if layout.float8 else []
+    flags += ["--compile.enable"] if layout.compile else []
+    flags += [f"{p}enable_async_tensor_parallel"] if layout.tp_overlap else []
+    return flags

@@ -141,14 +141,25 @@ class MoEArgs(ModelArgs):
         return self.dim + self.dim * self.num_experts + experts * 3 * self.dim * self.moe_hidden_dim  # + router
 
 
+# Fields the config sets through keys of their own.
+SET_ELSEWHERE = {
+    "max_seq_len": "training.seq_len", "n_layers": "model.n_layers", "vocab_size": "model.hf_assets_path (the tokenizer)",
+    "attn_mask_type": "model.attn_mask_type", "attn_type": "model.attn_type", "fused_projections": "model.fused_projections",
+    "use_grouped_mm": "model.moe_grouped_mm", "load_balance_coeff": "model.moe_load_balance_coeff",
+    "aux_loss_coeff": "model.moe_aux_loss_coeff",
+}
+
+
 def with_overrides(args: ModelArgs, pairs: list[str]) -> ModelArgs:
     """The args with `name=value` pairs (the config's model.flavor_overrides) replacing the flavor's
     fields, each value read as its field's type; ConfigError naming a pair that does not fit."""
-    types = {f.name: f.type for f in fields(args)}
+    types = {f.name: f.type for f in fields(args) if f.name not in SET_ELSEWHERE}
     changes = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         name = name.strip()
+        if name in SET_ELSEWHERE:
+            raise ConfigError(f"model.flavor_overrides entry '{pair}': {name} has its own key; set {SET_ELSEWHERE[name]} instead")
         if not sep or name not in types:
             raise ConfigError(
                 f"model.flavor_overrides entry '{pair}' is not name=value with a name of the flavor's shape; "

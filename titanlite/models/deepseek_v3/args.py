@@ -31,13 +31,16 @@ class DeepSeekV3Args(MoEArgs):
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     # YaRN (DeepSeek's rope_scaling): frequencies interpolated by `yarn_factor` beyond
-    # `yarn_original_seq_len`, blended between beta_fast and beta_slow rotations.
+    # `yarn_original_seq_len`, blended between beta_fast and beta_slow rotations. As in DeepSeek's and
+    # TorchTitan's code it applies only to sequences longer than that (V3 pre-trained at 4K without
+    # it); `yarn_always` applies it at any length, as transformers does for weights already extended.
     yarn_factor: float = 1.0
     yarn_original_seq_len: int = 4096
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 1.0
+    yarn_always: bool = False
     # Multi-token prediction: `mtp_depth` extra modules, each predicting one token further ahead;
     # their mean loss is weighted by `mtp_loss_weight`.
     mtp_depth: int = 0
@@ -52,13 +55,19 @@ class DeepSeekV3Args(MoEArgs):
         return self.qk_rope_head_dim
 
     @property
+    def yarn_on(self) -> bool:
+        return self.yarn_factor > 1 and (self.yarn_always or self.max_seq_len > self.yarn_original_seq_len)
+
+    @property
     def softmax_mscale(self) -> float:
         """YaRN's factor on the attention logits (mscale^2 on the softmax scale)."""
-        return yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim) ** 2
+        return yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim) ** 2 if self.yarn_on else 1.0
 
     @property
     def rope_attention_factor(self) -> float:
         """YaRN's factor on cos/sin: mscale over mscale_all_dim (1 for V3, whose two are equal)."""
+        if not self.yarn_on:
+            return 1.0
         return yarn_mscale(self.yarn_factor, self.yarn_mscale) / yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim)
 
     @property
@@ -136,6 +145,11 @@ def check_shapes(args: DeepSeekV3Args) -> None:
         raise ConfigError(
             f"qk_rope_head_dim={args.qk_rope_head_dim} must be even and > 0: RoPE rotates pairs of dims; "
             "use an even size (DeepSeek's: 64)"
+        )
+    if args.v_head_dim > args.qk_head_dim:
+        raise ConfigError(
+            f"v_head_dim={args.v_head_dim} is wider than the query/key head ({args.qk_nope_head_dim} + {args.qk_rope_head_dim}); "
+            "MLA pads values to the query/key head dim: use v_head_dim <= qk_nope_head_dim + qk_rope_head_dim"
         )
     if args.n_kv_heads != args.n_heads:
         raise ConfigError(f"MLA gives every head its own key and value: n_kv_heads={args.n_kv_heads} must equal n_heads={args.n_heads}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, dequantized, hf_tensors, read_hf_config, write_shards
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args, check_hf_exportable
 from titanlite.models.llama3 import hf as llama3_hf
@@ -78,8 +79,9 @@ def to_hf_tensors(name: str, w: torch.Tensor, args: DeepSeekV3Args) -> list[tupl
 
 def hf_config(args: DeepSeekV3Args, dtype: torch.dtype) -> dict:
     check_hf_exportable(args)
-    rope_scaling = None
-    if args.yarn_factor > 1:
+    rope_scaling, positions = None, args.max_seq_len
+    if args.yarn_on:  # transformers applies YaRN at every length: written only where the model applies it
+        positions = int(args.yarn_original_seq_len * args.yarn_factor)
         rope_scaling = {
             "type": "yarn", "factor": args.yarn_factor, "original_max_position_embeddings": args.yarn_original_seq_len,
             "beta_fast": args.yarn_beta_fast, "beta_slow": args.yarn_beta_slow, "mscale": args.yarn_mscale,
@@ -95,7 +97,7 @@ def hf_config(args: DeepSeekV3Args, dtype: torch.dtype) -> dict:
         "q_lora_rank": args.q_lora_rank or None, "qk_rope_head_dim": args.qk_rope_head_dim,
         "v_head_dim": args.v_head_dim, "qk_nope_head_dim": args.qk_nope_head_dim, "n_group": args.n_group,
         "topk_group": args.topk_group, "num_experts_per_tok": args.top_k, "first_k_dense_replace": args.n_dense_layers,
-        "norm_topk_prob": args.route_norm, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
+        "norm_topk_prob": args.route_norm, "hidden_act": "silu", "max_position_embeddings": positions,
         "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": rope_scaling,
         "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False,
         "num_nextn_predict_layers": args.mtp_depth, "torch_dtype": str(dtype).removeprefix("torch."),
@@ -119,8 +121,21 @@ def check_hf_shapes(config: dict, args: DeepSeekV3Args, folder: Path) -> None:
         "q_lora_rank": (args.q_lora_rank, 0), "qk_rope_head_dim": (args.qk_rope_head_dim, None),
         "qk_nope_head_dim": (args.qk_nope_head_dim, None), "v_head_dim": (args.v_head_dim, None),
         "n_group": (args.n_group, 1), "topk_group": (args.topk_group, 1),
+        # transformers' DeepseekV3Config defaults where a file leaves them out.
+        "routed_scaling_factor": (args.route_scale, 2.5), "norm_topk_prob": (args.route_norm, True),
+        "rms_norm_eps": (args.norm_eps, 1e-6),
     }
-    check_config_values(config, expected, folder)
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or rope
+    yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
+    found = {"rope_theta": config.get("rope_theta", rope.get("rope_theta")), "yarn_factor": scaling.get("factor") if yarn else 1.0}
+    check_config_values(config | found, expected | {"rope_theta": (args.rope_theta, 10000.0)}, folder)
+    if found["yarn_factor"] != (args.yarn_factor if args.yarn_on else 1.0):
+        raise ConfigError(
+            f"Hugging Face checkpoint '{folder}' applies YaRN with factor {found['yarn_factor']} at every length, and the model "
+            f"being trained {'with factor ' + str(args.yarn_factor) if args.yarn_on else 'none at this sequence length'}; to "
+            "train these weights as transformers runs them, set model.flavor_overrides yarn_always=true (and the file's factor)"
+        )
 
 
 def iter_hf(folder: Path):

@@ -82,10 +82,11 @@ def deepseek_block(layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
 
 
 class MultiTokenPrediction(nn.Module):
-    """Depth k of multi-token prediction (DeepSeek-V3, section 2.2): the RMS-normed hidden state of
-    depth k-1 at each position i and the RMS-normed embedding of token i+k, joined by one projection
-    (embedding first, as DeepSeek's weights are laid out), through one block; its own final norm
-    precedes the model's output head."""
+    """Depth k of multi-token prediction (DeepSeek-V3, section 2.2): the hidden state of depth k-1 at
+    each position i, as the output head read it (after the model's final norm, or depth k-1's), and
+    the embedding of token i+k, each RMS-normed (hnorm, enorm), joined by one projection (embedding
+    first), through one block; its own final norm precedes the shared output head. Megatron-Core and
+    vLLM (which runs DeepSeek's released MTP layer) wire it so."""
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args):
         super().__init__()
@@ -107,7 +108,8 @@ class DeepSeekV3Transformer(Transformer):
     With MTP the model takes `future_tokens` (b, s, depth): token i+k of each position i (the trainer
     makes them from the whole window, so a sequence shard's come exact from its neighbours' tokens).
     A stage without the tail returns (hidden states, the future tokens' embeddings) for the next
-    one; the last returns (logits, logits of each depth), the output head shared by all."""
+    one; the last returns (logits, logits of each depth), the output head shared by all; in
+    evaluation the logits alone."""
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args)
@@ -129,10 +131,13 @@ class DeepSeekV3Transformer(Transformer):
             h = layer(h, rope, mask)
         if self.output is None:
             return h, future
-        outputs = [self.output(self.norm(h))]
+        h = self.norm(h)
+        outputs = [self.output(h)]
+        if not self.training:  # evaluation: the model's own prediction
+            return outputs[0]
         for k, module in self.mtp.items():
-            h = module(h, future[:, :, int(k)], rope, mask)
-            outputs.append(self.output(module.norm(h)))
+            h = module.norm(module(h, future[:, :, int(k)], rope, mask))
+            outputs.append(self.output(h))
         return tuple(outputs)
 
     def init_std(self, fqn: str) -> float | None:
@@ -146,7 +151,7 @@ class DeepSeekV3Transformer(Transformer):
 
     def rope_table(self, device=None) -> torch.Tensor:
         a = self.args
-        if a.yarn_factor <= 1:
+        if not a.yarn_on:
             return rope_cache(a, a.max_seq_len, device)
         freqs = yarn_frequencies(
             a.rope_dim, a.rope_theta, a.yarn_factor, a.yarn_original_seq_len, a.yarn_beta_fast, a.yarn_beta_slow, device

@@ -78,9 +78,7 @@ PLAN = ParallelPlan(
     experts=moe_plan.PLAN.experts,
     moe_layers=moe_plan.PLAN.moe_layers,
     expert_hidden_dims=moe_plan.PLAN.expert_hidden_dims,
-    # The router (float8 scores would move the routing) and MLA's down projections: at DeepSeek-V3's
-    # shapes their outputs (1536 and 576 wide) are too narrow for float8 to pay for its casts.
-    float8_excluded=moe_plan.PLAN.float8_excluded + ("attention.wq_a", "attention.wkv_a"),
+    float8_excluded=moe_plan.PLAN.float8_excluded,  # the router (DeepSeek-V3 trained the rest of its GEMMs in float8)
     tail_on_one_stage=True,
     blocks_elsewhere=lambda model: [(module, "block") for module in (model.mtp or {}).values()],
 )
