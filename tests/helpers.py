@@ -59,14 +59,15 @@ def run_command(cmd: list[str], timeout: float = 300, **kwargs):
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = None):
+def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = None, bos_id: int | None = None):
     """(objective, the model's own loss), both summed over tokens, of a model with DeepSeek-V3's
     multi-token prediction, by DeepSeek's formula: depth k reads the token k ahead of each position
     and predicts the one after, from the hidden state the previous head read (after the model's final
     norm, or depth k-1's), and its loss counts the T-k
     positions whose target lies in the window; objective = own + weight/D sum_k depth k's. The last
     k positions still run (reading token 0: causal attention keeps them from the others' outputs)
-    because titanlite runs them: their tokens count in the MTP block's MoE balance."""
+    because titanlite runs them: their tokens count in the MTP block's MoE balance. With `bos_id`
+    (document masks) a depth's target in another document than its position does not count."""
     import torch
 
     from titanlite.loss import cross_entropy_sum
@@ -86,5 +87,10 @@ def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = N
     for k, module in enumerate(model.mtp.values(), 1):
         ahead = torch.cat([tokens[:, k : s + 1], torch.zeros_like(tokens[:, : k - 1])], dim=1)
         h = module.norm(module(h, model.tok_embeddings(ahead), rope, mask))
-        depths.append(cross_entropy_sum(model.output(h)[:, : s - k], tokens[:, k + 1 : s + 1]))
+        targets = tokens[:, k + 1 : s + 1]
+        if bos_id is not None:  # documents numbered by the BOS tokens seen so far
+            documents = (tokens == bos_id).cumsum(dim=1)
+            targets = targets.masked_fill(documents[:, k + 1 : s + 1] != documents[:, : s - k], -100)
+        logits = model.output(h)[:, : s - k]
+        depths.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
     return own + weight / len(depths) * sum(depths), own

@@ -238,3 +238,20 @@ def test_first_error_picks_the_lowest_rank_by_number(tmp_path, monkeypatch):
         monkeypatch.setenv("RANK", str(rank))
         write_error(f"rank {rank} failed", 2)
     assert first_error(str(tmp_path)) == {"rank": 2, "code": 2, "message": "rank 2 failed"}
+
+
+def test_debug_deepseek_v3_config_trains_and_its_mtp_loss_falls(tmp_path):
+    """CONFIG_FILE=train_configs/debug_deepseek_v3.toml ./run_train.sh, as the README says, on 1 process:
+    the model's loss and multi-token prediction's loss both fall, and mtp_loss reaches every sink."""
+    env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_deepseek_v3.toml", "PYTHON": sys.executable}
+    out = run_command(["./run_train.sh", "--training.steps", "30", "--metrics.log_freq", "5", "--validation.freq", "30",
+                       "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    train = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.5 and train[-1]["mtp_loss"] < train[0]["mtp_loss"] - 1.5, train
+    assert "mtp_loss" in out.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
+    assert "mtp_loss" in EventAccumulator(str(events)).Reload().Tags()["scalars"]

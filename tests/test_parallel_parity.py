@@ -160,7 +160,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         bos_id = trainer.tokenizer.bos_id
         if trainer.mtp_depth:
             token_inputs = token_inputs_by_hand(x, bos_id, config.model.reset_position_ids) if trainer.document_masking else None
-            return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs)[0 if objective else 1]
+            bos = bos_id if trainer.document_masking else None
+            return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs, bos)[0 if objective else 1]
         if not trainer.document_masking:
             return cross_entropy_sum(reference(x), y)
         if config.float8 or trainer.aux_loss_on:

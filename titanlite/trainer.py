@@ -184,19 +184,27 @@ class Trainer:
             token_inputs["future_tokens"] = torch.stack([shifted(labels, k - 1, 0) for k in range(1, self.mtp_depth + 1)], dim=-1)
         return token_inputs
 
-    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+    def targets(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The labels, and with multi-token prediction (b, s, 1 + depth): depth k predicts label i+k,
-        IGNORED past the window's end."""
+        IGNORED past the window's end, and under document masks where that token lies in another
+        document than position i (as Megatron's MTP does on packed sequences)."""
         if not self.mtp_depth:
             return labels
-        return torch.stack([shifted(labels, k, IGNORED) for k in range(self.mtp_depth + 1)], dim=-1)
+        depths = [shifted(labels, k, IGNORED) for k in range(self.mtp_depth + 1)]
+        if self.document_masking:
+            window = torch.cat([inputs, labels[:, -1:]], dim=1)
+            documents = document_layout(window, self.tokenizer.bos_id, False, self.tokenizer.eos_id)[0]
+            for k in range(1, self.mtp_depth + 1):
+                elsewhere = shifted(documents[:, 1:], k, -1) != documents[:, :-1]  # the document of token i+k+1
+                depths[k] = depths[k].masked_fill(elsewhere, IGNORED)
+        return torch.stack(depths, dim=-1)
 
     @contextmanager
     def step_context(self, inputs: torch.Tensor, labels: torch.Tensor):
         """Yields (inputs, targets, the model's per-token keyword inputs); under CP this rank's sequence
         shards of them. Loss parallel under TP."""
         token_inputs = self.token_inputs(inputs, labels)
-        labels = self.targets(labels)
+        labels = self.targets(inputs, labels)
         with ExitStack() as stack:
             if self.loss_parallel:
                 stack.enter_context(loss_parallel())
