@@ -78,10 +78,10 @@ class Trainer:
             config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
         )
         self.document_masking = args.attn_mask_type == "block_causal"
-        if self.document_masking and args.attn_type != "sdpa" and device.type != "meta":
+        if args.masked_attention and args.attn_type != "sdpa" and device.type != "meta":
             why = (
                 f"FlexAttention has no backward on {device.type}, so the exact SDPA path runs" if device.type != "cuda"
-                else "under context parallel the document ring runs" if self.dims.cp_enabled else None
+                else "under context parallel the masked ring runs" if self.dims.cp_enabled else None
             )
             if why:
                 log_line(f"attention kernel {args.attn_type} not used: {why}")

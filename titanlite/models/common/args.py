@@ -20,7 +20,9 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = 1.3
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: bool = True  # Llama 3.1 long-context frequency scaling
+    rope_scaling: bool = True  # Llama 3.1 long-context frequency scaling (Llama 4 Scout's, with its factors)
+    rope_scaling_factor: float = 8.0  # low frequencies slow down by this much
+    rope_high_freq_factor: float = 4.0  # wavelengths under original context / this keep their frequency
     max_seq_len: int = 131072
     depth_init: bool = True  # scale output projections' init std by depth
     head_dim_override: int = 0  # 0: dim / n_heads (Qwen3's heads are wider than that)
@@ -32,6 +34,11 @@ class ModelArgs:
     attn_type: str = "flex"
     # q/k/v in one matmul, and SwiGLU's w1/w3 in one (the parameters stay separate; common/linear.py).
     fused_projections: bool = False
+
+    @property
+    def masked_attention(self) -> bool:
+        """Attention runs with a mask (not SDPA's causal kernel): documents, or (Llama 4) chunks."""
+        return self.attn_mask_type == "block_causal"
 
     @property
     def head_dim(self) -> int:
@@ -126,6 +133,7 @@ class MoEArgs(ModelArgs):
     load_balance_coeff: float = 1e-3
     aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss; 0: off
     use_grouped_mm: bool = True  # torch._grouped_mm for the experts (False: an exact loop over experts)
+    score_before_experts: bool = False  # the routing weight scales each token's input to its expert (Llama 4), not its output
 
     @property
     def ffn_hidden_dim(self) -> int:

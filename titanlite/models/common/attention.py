@@ -128,15 +128,23 @@ class Attention(nn.Module):
         self.inner_attention = CoreAttention()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.attend(apply_rope(q, rope), apply_rope(k, rope), v, mask)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (b, s, heads, head_dim) of the input."""
         bsz, seqlen, _ = x.shape
         if self.qkv is not None and plain_linears(self.wq, self.wk, self.wv):
             q, k, v = self.qkv(x, self.wq.weight, self.wk.weight, self.wv.weight)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # -1 heads: under tensor parallel each rank holds a slice of the heads.
-        q, k, v = (t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        return tuple(t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
+        """The core attention of (b, s, heads, head_dim) q, k, v, through the output projection."""
+        bsz, seqlen = q.shape[:2]
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -139,6 +139,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
         self.load_balance_coeff, self.aux_loss_coeff = args.load_balance_coeff, args.aux_loss_coeff
+        self.score_before_experts = args.score_before_experts
         self.router = Router(args)
         self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
         shared = args.num_shared_experts * args.moe_hidden_dim
@@ -172,7 +173,11 @@ class MoE(nn.Module):
         # Token copies sorted by expert (stable: a token's copies keep their order), through the experts, back.
         order = choices.argsort(stable=True)
         token = order // self.top_k
-        routed = self.experts(flat[token], counts) * weights.flatten()[order].unsqueeze(-1).to(flat.dtype)
+        token_weights = weights.flatten()[order].unsqueeze(-1).to(flat.dtype)
+        if self.score_before_experts:
+            routed = self.experts(flat[token] * token_weights, counts)
+        else:
+            routed = self.experts(flat[token], counts) * token_weights
         out = torch.zeros_like(flat).index_add(0, token, routed)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

@@ -17,7 +17,7 @@ def rope_cache(args: ModelArgs, seq_len: int, device=None, freqs: torch.Tensor |
     if freqs is None:
         freqs = rope_frequencies(args.rope_dim, args.rope_theta, device)
         if args.rope_scaling:
-            freqs = _llama31_scaled(freqs)
+            freqs = _llama31_scaled(freqs, args.rope_scaling_factor, high_freq_factor=args.rope_high_freq_factor)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
     return torch.cat([angles.cos(), angles.sin()], dim=-1) * amplitude
 
@@ -28,7 +28,8 @@ def rope_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
 
 
 def _llama31_scaled(freqs: torch.Tensor, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_ctx=8192):
-    """Llama 3.1: slow down low frequencies by `factor`, keep high ones, blend in between."""
+    """Llama 3.1 (and Llama 4 Scout, factor 16 with no blend): slow down low frequencies by `factor`,
+    keep high ones, blend in between."""
     wavelen = 2 * math.pi / freqs
     low_wavelen, high_wavelen = old_ctx / low_freq_factor, old_ctx / high_freq_factor
     smooth = (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)

@@ -126,7 +126,7 @@ class DeepSeekV3Transformer(Transformer):
         h = tokens
         if self.tok_embeddings is not None:
             h, future = self.tok_embeddings(tokens), self.tok_embeddings(future_tokens)
-        rope, mask = self.position_inputs(positions, document_ids)
+        rope, mask = self.position_inputs(positions, document_ids, h.shape[1])
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if self.output is None:

@@ -102,9 +102,9 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     if args.rope_scaling:
         config["rope_scaling"] = {
             "rope_type": "llama3",
-            "factor": 8.0,
+            "factor": args.rope_scaling_factor,
             "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
+            "high_freq_factor": args.rope_high_freq_factor,
             "original_max_position_embeddings": 8192,
         }
     return config

@@ -61,14 +61,15 @@ class Transformer(nn.Module):
         token's RoPE rows (default 0..s-1); with `document_ids` (b, s) attention stays within each
         document (models/common/attention.py's document_layout gives both)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope, mask = self.position_inputs(positions, document_ids)
+        rope, mask = self.position_inputs(positions, document_ids, h.shape[1])
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
-    def position_inputs(self, positions: torch.Tensor | None, document_ids: torch.Tensor | None) -> tuple:
-        """(each token's RoPE rows, the document mask or None) of one forward."""
+    def position_inputs(self, positions: torch.Tensor | None, document_ids: torch.Tensor | None, seq_len: int) -> tuple:
+        """(each token's RoPE rows, what the blocks' attention masks by: the document mask or None) of
+        one forward over `seq_len` tokens."""
         if document_ids is not None and positions is None:
             positions = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
         rope = self.rope if positions is None else self.rope[positions]
