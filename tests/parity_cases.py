@@ -228,5 +228,32 @@ EXTENDED = {
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
     "tp2_sp_lp", "free_cp2", "doc_fsdp2", "dsv3_pp2_zbvzerobubble", "dsv3_pp2_dualpipev", "dsv3_tp2_separate_projections",
 }
-TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2
-FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4
+# Llama 4 (debugmodel: MoE every other block, NoPE block 3 and 7, L2 QK-norm, temperature tuning from
+# position 7 on). seq_len 32 spans chunks: under CP 2 the head-tail shards are 4 pieces of 8 tokens,
+# so a chunk of 12 crosses from rank 0's piece into rank 1's and ends inside it; one of 16 spans
+# pieces of two ranks. Under CP 4 (pieces of 4) chunks of 8 leave whole KV shards unseen.
+L4 = ["--model.name", "llama4", "--model.flavor", "debugmodel"]
+
+
+def chunks(size: int) -> list[str]:
+    return L4 + ["--model.flavor_overrides", f"attention_chunk_size={size},floor_scale=8"]
+
+
+CASES_L4_2 = {
+    "l4_tp2": chunks(12) + [TP, "2"],
+    "l4_cp2_chunk12_allgather": chunks(12) + [CP, "2"],
+    "l4_cp2_chunk16_alltoall": chunks(16) + [CP, "2", *ALLTOALL],
+    "l4_cp2_chunk12_alltoall_no_balance": chunks(12) + [CP, "2", *ALLTOALL, *NO_BALANCE],
+    "l4_doc_cp2": chunks(12) + BC_RESET + [CP, "2"],
+    "l4_pp2_1f1b": chunks(12) + PP + schedule("1F1B"),
+    "l4_pp2_interleaved1f1b": chunks(12) + PP + schedule("Interleaved1F1B"),
+    "l4_ep2_ac_compile": chunks(12) + [EP, "2", "--activation_checkpoint.mode", "selective", "--compile.enable"],
+    "l4_fsdp2_float8": chunks(12) + F8,
+}
+CASES_L4_4 = {
+    "l4_cp4_chunk8": chunks(8) + [CP, "4"],
+    "l4_ep2_fsdp2": chunks(12) + [EP, "2"],
+    "l4_fsdp2_tp2": chunks(12) + [TP, "2"],
+}
+TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2 | CASES_L4_2
+FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4 | CASES_L4_4

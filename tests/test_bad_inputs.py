@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 
 MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
 DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+L4 = ["--model.name", "llama4", "--model.flavor", "debugmodel"]
 
 
 def run_train_sh(args: list[str], ngpu: int = 1):
@@ -117,6 +118,11 @@ CASES = {  # name: (arguments given the bad files, words of the line)
                                                  '[["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"], ["mtp"]]',
                                                  "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "4"],
                                        "splits norm, output, mtp over stages"),
+    "l4_chunk_zero": (lambda f: [*L4, "--model.flavor_overrides", "attention_chunk_size=0"], "attention_chunk_size=0 must be > 0"),
+    "l4_chunk_negative": (lambda f: [*L4, "--model.flavor_overrides", "attention_chunk_size=-8"], "attention_chunk_size=-8 must be > 0"),
+    "l4_interleave_step_zero": (lambda f: [*L4, "--model.flavor_overrides", "interleave_moe_layer_step=0"],
+                                "interleave_moe_layer_step=0 must be >= 1"),
+    "l4_top_k_above_experts": (lambda f: [*L4, "--model.flavor_overrides", "top_k=9"], "top_k=9 of num_experts=8"),
 }
 # What only the files decide: each also stops every rank of a plain torchrun, before training.
 RANK_CASES = ["tokenizer_not_json", "binary_dataset", "dump_folder_under_a_file", "negative_load_balance_coeff"]

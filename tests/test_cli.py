@@ -255,3 +255,16 @@ def test_debug_deepseek_v3_config_trains_and_its_mtp_loss_falls(tmp_path):
 
     (events,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
     assert "mtp_loss" in EventAccumulator(str(events)).Reload().Tags()["scalars"]
+
+
+def test_debug_llama4_config_trains_with_a_falling_loss(tmp_path):
+    """CONFIG_FILE=train_configs/debug_llama4.toml ./run_train.sh, as the README says, on 1 process:
+    chunked attention (4 chunks per window), NoPE blocks and interleaved top-1 MoE train, and the loss falls."""
+    env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_llama4.toml", "PYTHON": sys.executable}
+    out = run_command(["./run_train.sh", "--training.steps", "20", "--metrics.log_freq", "5", "--validation.freq", "20",
+                       "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    train = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in train] == [1, 5, 10, 15, 20]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.5, train
+    assert "model llama4 debugmodel" in out.stdout

@@ -78,6 +78,8 @@ class Trainer:
             config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
         )
         self.document_masking = args.attn_mask_type == "block_causal"
+        # Masks other than documents' (Llama 4's chunks) need each token's position in the window.
+        self.masked_attention = args.masked_attention
         if args.masked_attention and args.attn_type != "sdpa" and device.type != "meta":
             why = (
                 f"FlexAttention has no backward on {device.type}, so the exact SDPA path runs" if device.type != "cuda"
@@ -169,15 +171,15 @@ class Trainer:
     def token_inputs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's per-token keyword inputs (every pipeline stage gets them), from the whole
         window: under block_causal each token's document id and position; under context parallel
-        its position (which RoPE rows its sequence shard takes); with multi-token prediction the
-        tokens 1..depth ahead of each."""
+        or a masked attention its position (which RoPE rows its sequence shard takes, which chunk
+        it is in); with multi-token prediction the tokens 1..depth ahead of each."""
         token_inputs = {}
         if self.document_masking:
             document_ids, positions = document_layout(
                 inputs, self.tokenizer.bos_id, self.config.model.reset_position_ids, self.tokenizer.eos_id
             )
             token_inputs = {"positions": positions, "document_ids": document_ids}
-        elif self.dims.cp_enabled:
+        elif self.dims.cp_enabled or self.masked_attention:
             token_inputs = {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)}
         if self.mtp_depth:
             # Token i+k is label i+k-1; past the window's end any token will do (its predictions are IGNORED).

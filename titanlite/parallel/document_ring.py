@@ -5,7 +5,8 @@ keys, each KV shard travelling with its tokens' document ids and positions, so t
 The KV shards are all gathered at once (`allgather`) or passed around the ring while each rank
 computes (`alltoall`), as `parallelism.context_parallel_rotate_method` says. Scores of each visiting
 shard are computed in fp32, in blocks of query rows (at most SCORE_TILE_ELEMENTS at a time), and
-merged by their log-sum-exp (flash attention's recurrence). Backward recomputes them shard by shard
+merged by their log-sum-exp (flash attention's recurrence). A visiting shard that no local query may
+see (Llama 4's chunks, or documents, wholly elsewhere) is skipped, and counted in ROUNDS. Backward recomputes them shard by shard
 from the saved output and log-sum-exp; each shard's key/value gradients go back to the rank that
 holds it (a reduce-scatter, or one more hop around the ring). GQA shares each KV head among its
 query heads without repeating k and v.
@@ -40,6 +41,8 @@ def document_ring(
     # The own shard comes first, and each query sees at least itself there: lse is finite from then on.
     for kv, layout in _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method):
         allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)  # (b, 1, 1, sq, sk)
+        if not _counted(allowed, "forward"):
+            continue
         shard_out, shard_lse = _attend(q5, kv[0], kv[1], allowed, scale)
         if out is None:
             out, lse = shard_out, shard_lse
@@ -71,7 +74,10 @@ def document_ring_backward(
     travelling = None  # alltoall: the gradients of the shard now here, summed over the ranks it visited
     for kv, layout in _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method):
         allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)
-        grad_kv = _gradients(q5, grad5, row_dot, lse, kv[0], kv[1], allowed, scale, grad_q)
+        if _counted(allowed, "backward"):
+            grad_kv = _gradients(q5, grad5, row_dot, lse, kv[0], kv[1], allowed, scale, grad_q)
+        else:
+            grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32)
         if rotate_method == "allgather":
             by_shard.append(grad_kv)
         else:
@@ -103,6 +109,19 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 document_ring.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Rounds run and skipped, by pass: a KV shard that no query here may see (all in other documents or
+# chunks) is not computed on; it still travels on to the ranks that need it.
+ROUNDS = {(direction, outcome): 0 for direction in ("forward", "backward") for outcome in ("run", "skipped")}
+
+
+def _counted(allowed: Tensor, direction: str) -> bool:
+    """Whether any query sees any key of this shard (a host sync per round: cheap next to the round
+    it may save), counted in ROUNDS."""
+    run = bool(allowed.any())
+    ROUNDS[direction, "run" if run else "skipped"] += 1
+    return run
 
 
 def _visits(local: list[Tensor], group, rotate_method: str):
