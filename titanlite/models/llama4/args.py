@@ -97,6 +97,28 @@ def check_shapes(args: Llama4Args) -> None:
         raise ConfigError(f"floor_scale={args.floor_scale} must be > 0 (Meta's: 8192)")
 
 
+def check_hf_exportable(args: Llama4Args) -> None:
+    """ConfigError, before any training, when the model has something Llama4ForCausalLM (the Hugging
+    Face architecture it exports as) cannot hold: it routes as Meta's model does, has one shared
+    expert, no expert bias, no Qwen3 head norms, and an integer floor_scale (its config's type)."""
+    differences = [
+        (args.num_shared_experts != 1, f"{args.num_shared_experts} shared experts"),
+        (args.score_func != "sigmoid", f"{args.score_func} scores"), (args.route_norm, "renormalized routing weights"),
+        (args.route_scale != 1.0, "a route scale"), (args.n_group > 1, "group-limited routing"),
+        (not args.score_before_experts, "routing weights on the experts' outputs"),
+        (args.qk_norm, "q/k head norms with weights (qk_norm)"),
+        (args.floor_scale != int(args.floor_scale), f"floor_scale={args.floor_scale}"),
+        (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"),
+    ]
+    if found := [what for differs, what in differences if differs]:
+        raise ConfigError(
+            f"this Llama 4 model has {', '.join(found)}, which Llama4ForCausalLM (the Hugging Face architecture "
+            "titanlite exports Llama 4 as) does not: it routes by sigmoid to top-k experts, scaling their input, with "
+            "one shared expert and an integer floor_scale; export such a model trained with "
+            "model.moe_load_balance_coeff=0 (the flavors' defaults), or set checkpoint.last_save_in_hf=false"
+        )
+
+
 def check_llama4(args: Llama4Args, dims) -> None:
     """The MoE checks (experts over ep, heads over tp, top_k), and Llama 4's shapes."""
     check_shapes(args)
