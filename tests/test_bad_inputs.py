@@ -122,6 +122,7 @@ CASES = {  # name: (arguments given the bad files, words of the line)
     "l4_chunk_negative": (lambda f: [*L4, "--model.flavor_overrides", "attention_chunk_size=-8"], "attention_chunk_size=-8 must be > 0"),
     "l4_interleave_step_zero": (lambda f: [*L4, "--model.flavor_overrides", "interleave_moe_layer_step=0"],
                                 "interleave_moe_layer_step=0 must be >= 1"),
+    "l4_weighted_qk_norm": (lambda f: [*L4, "--model.flavor_overrides", "qk_norm=true"], "qk_norm=true (Qwen3's q/k head norms with weights) is not part of Llama 4"),
     "l4_top_k_above_experts": (lambda f: [*L4, "--model.flavor_overrides", "top_k=9"], "top_k=9 of num_experts=8"),
 }
 # What only the files decide: each also stops every rank of a plain torchrun, before training.

@@ -95,18 +95,22 @@ def check_shapes(args: Llama4Args) -> None:
             )
     if args.floor_scale <= 0:
         raise ConfigError(f"floor_scale={args.floor_scale} must be > 0 (Meta's: 8192)")
+    if args.qk_norm:
+        raise ConfigError(
+            "qk_norm=true (Qwen3's q/k head norms with weights) is not part of Llama 4; its QK-norm is use_qk_norm "
+            "(an L2 norm without weights, on the RoPE blocks): set qk_norm=false"
+        )
 
 
 def check_hf_exportable(args: Llama4Args) -> None:
     """ConfigError, before any training, when the model has something Llama4ForCausalLM (the Hugging
     Face architecture it exports as) cannot hold: it routes as Meta's model does, has one shared
-    expert, no expert bias, no Qwen3 head norms, and an integer floor_scale (its config's type)."""
+    expert, no expert bias, and an integer floor_scale (its config's type)."""
     differences = [
         (args.num_shared_experts != 1, f"{args.num_shared_experts} shared experts"),
         (args.score_func != "sigmoid", f"{args.score_func} scores"), (args.route_norm, "renormalized routing weights"),
         (args.route_scale != 1.0, "a route scale"), (args.n_group > 1, "group-limited routing"),
         (not args.score_before_experts, "routing weights on the experts' outputs"),
-        (args.qk_norm, "q/k head norms with weights (qk_norm)"),
         (args.floor_scale != int(args.floor_scale), f"floor_scale={args.floor_scale}"),
         (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"),
     ]
