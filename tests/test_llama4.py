@@ -108,6 +108,30 @@ def test_chunked_mask_is_the_chunks_within_documents():
                        allowed_by_hand(4, [[0] * 24], window))
 
 
+def test_chunked_mask_on_flex_attention_matches_sdpa(monkeypatch):
+    """The chunked mask's FlexAttention block mask (built once per forward) computes what SDPA's
+    boolean mask does, with documents and chunks crossing. On CPU: forward only, uncompiled."""
+    from torch.nn.attention import flex_attention
+
+    from titanlite.models.common import attention
+    from titanlite.models.common.attention import CoreAttention, document_layout
+
+    for name in ("flex_attention", "create_block_mask"):
+        monkeypatch.setitem(attention._COMPILED, name, getattr(flex_attention, name))
+    tokens = torch.randint(2, 64, (2, 128), generator=torch.Generator().manual_seed(1))
+    tokens[:, [20, 70, 100]] = 1
+    ids, positions = document_layout(tokens, 1, reset_positions=False)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 8, 128, 16, generator=gen), torch.randn(2, 2, 128, 16, generator=gen), torch.randn(2, 2, 128, 16, generator=gen)
+    outputs = []
+    for attn_type in ("sdpa", "flex"):
+        args = replace(model_args("llama4", "debugmodel", 64, 128), attention_chunk_size=48, n_layers=4, attn_type=attn_type)
+        _, inputs = FAMILIES["llama4"].plan.build(args).position_inputs(positions, ids, 128)
+        assert (inputs.chunked.block_mask is not None) == (attn_type == "flex")
+        outputs.append(CoreAttention()(q, k, v, inputs.chunked))
+    assert (outputs[0] - outputs[1]).abs().max() < 1e-5
+
+
 def test_routing_weight_scales_the_token_before_its_expert():
     """Llama 4's order: expert(w * x), not w * expert(x) (a SwiGLU is not linear, so they differ)."""
     from titanlite.models.common.moe import MoE

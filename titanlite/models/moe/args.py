@@ -65,19 +65,19 @@ def check_moe(args: MoEArgs, dims) -> None:
             f"parallelism.expert_parallel_degree={dims.ep} does not divide the model's num_experts={args.num_experts}; "
             f"choose a divisor of {args.num_experts}"
         )
-    if not 0 < args.top_k <= args.num_experts:
-        raise ConfigError(
-            f"the MoE flavor routes each token to top_k={args.top_k} of num_experts={args.num_experts} experts; "
-            f"choose 1 <= top_k <= {args.num_experts}"
-        )
     check_groups(args)
     if args.score_func not in ("softmax", "sigmoid"):
         raise ConfigError(f"MoE score_func='{args.score_func}' is not softmax or sigmoid; choose one of them")
 
 
 def check_groups(args: MoEArgs) -> None:
-    """Group-limited routing: groups split the experts evenly, at least two each (a group scores its
-    two best), and the chosen groups hold at least top_k experts."""
+    """top_k within the experts; group-limited routing: groups split the experts evenly, at least two
+    each (a group scores its two best), and the chosen groups hold at least top_k experts."""
+    if not 0 < args.top_k <= args.num_experts:
+        raise ConfigError(
+            f"the MoE flavor routes each token to top_k={args.top_k} of num_experts={args.num_experts} experts; "
+            f"choose 1 <= top_k <= {args.num_experts}"
+        )
     n_group, topk_group = args.n_group, args.topk_group
     if n_group < 1 or args.num_experts % n_group or (n_group > 1 and args.num_experts // n_group < 2):
         raise ConfigError(
