@@ -1,5 +1,6 @@
 """Convert checkpoints between titanlite (DCP) and Hugging Face (safetensors + config.json): Llama 3
-as LlamaForCausalLM, the MoE family's Qwen3-MoE flavors as Qwen3MoeForCausalLM.
+as LlamaForCausalLM, the MoE family's Qwen3-MoE flavors as Qwen3MoeForCausalLM, DeepSeek-V3 as
+DeepseekV3ForCausalLM, Llama 4 as Llama4ForCausalLM (--model llama4 --flavor 17bx16e).
 
     python scripts/convert_hf.py to-hf outputs/run/checkpoint/step-1000 hf_out --flavor 8B [--dtype bfloat16]
     python scripts/convert_hf.py to-hf outputs/moe/checkpoint/step-1000 hf_out --model moe --flavor qwen3_30b_a3b
