@@ -53,6 +53,8 @@ BLOCK_CAUSAL = ["--model.attn_mask_type", "block_causal", "--model.attn_type"]  
 MOE, EP = ["--model.name", "moe", "--model.flavor", "debugmoe"], "--parallelism.expert_parallel_degree"
 # DeepSeek-V3's debug model (MLA, group-limited routing, one MTP depth) on the CPU shape.
 DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+# Llama 4's debug model (MoE every other block, NoPE every 4th, chunks of 64) on the CPU shape.
+L4 = ["--model.name", "llama4", "--model.flavor", "debugmodel"]
 # DeepSeek-V2-Lite's shape (16B flavor: MLA without query compression, 64 experts, top 6) with 4 of its
 # 27 blocks and one MTP depth: one GPU.
 GPU_DSV3_SHAPE = ["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.n_layers", "4", "--model.flavor_overrides",
@@ -76,6 +78,8 @@ PRESETS = {
         Run("moe_ep2_fsdp2", 4, MOE + [EP, "2"]),
         Run("dsv3_1rank", 1, DSV3),
         Run("dsv3_ep2", 2, DSV3 + [EP, "2"]),
+        Run("l4_1rank", 1, L4),
+        Run("l4_cp2", 2, L4 + [CP, "2"]),
     ]),
     "gpu": (GPU_SHAPE, None, [
         Run("bf16", 1),
@@ -90,6 +94,9 @@ PRESETS = {
         Run("moe_qwen3_30b_a3b_bf16_compile", 1, GPU_MOE_SHAPE + COMPILE),
         Run("dsv3_debug_bf16_compile", 1, DSV3 + COMPILE + ["--training.seq_len", "4096", "--training.local_batch_size", "8"]),
         Run("dsv3_16b_4_blocks_bf16_compile", 1, GPU_DSV3_SHAPE + COMPILE),
+        # The issue's row: Llama 4's debug model in bf16 on FlexAttention (chunked block masks), seq 8192.
+        Run("l4_debug_bf16_flex_compile", 1, L4 + COMPILE + ["--model.attn_type", "flex", "--training.seq_len", "8192",
+                                                             "--training.local_batch_size", "2"]),
     ]),
     # A quick end-to-end check of this script (the tests run it).
     "smoke": (["--training.seq_len", "64", "--training.local_batch_size", "2"], 1, [Run("1rank", 1, bare=True), Run("fsdp2", 2)]),
