@@ -78,7 +78,7 @@ def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = N
     document_ids = (token_inputs or {}).get("document_ids")
 
     h = model.tok_embeddings(x)
-    rope, mask = model.position_inputs(positions, document_ids)
+    rope, mask = model.position_inputs(positions, document_ids, s)
     for layer in model.layers.values():
         h = layer(h, rope, mask)
     h = model.norm(h)

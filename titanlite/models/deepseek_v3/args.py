@@ -156,12 +156,14 @@ def check_shapes(args: DeepSeekV3Args) -> None:
 
 
 def check_hf_exportable(args: DeepSeekV3Args) -> None:
-    """DeepseekV3ForCausalLM routes by sigmoid scores and always has shared experts."""
-    if args.score_func != "sigmoid" or not args.num_shared_experts:
+    """DeepseekV3ForCausalLM routes by sigmoid scores, weights the experts' outputs, and always has
+    shared experts."""
+    if args.score_func != "sigmoid" or not args.num_shared_experts or args.score_before_experts:
         raise ConfigError(
-            f"this DeepSeek model routes by {args.score_func} scores with {args.num_shared_experts} shared experts, and "
-            "DeepseekV3ForCausalLM (the Hugging Face architecture it exports as) by sigmoid scores with shared experts; "
-            "export a flavor with both (671B, debugmodel), or set checkpoint.last_save_in_hf=false"
+            f"this DeepSeek model routes by {args.score_func} scores with {args.num_shared_experts} shared experts"
+            f"{', weighting the experts inputs' if args.score_before_experts else ''}, and DeepseekV3ForCausalLM (the "
+            "Hugging Face architecture it exports as) by sigmoid scores with shared experts, weighting their outputs; "
+            "export a flavor with all three (671B, debugmodel), or set checkpoint.last_save_in_hf=false"
         )
 
 

@@ -129,6 +129,7 @@ def as_transformers_reads(config: dict) -> dict:
     values = {key: config.get(key) for key in SHAPES}
     values |= {key: config[key] if key in config else default for key, default in DEFAULTS.items()}
     values["num_key_value_heads"] = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    values["attn_temperature_tuning"] = bool(values["attn_temperature_tuning"])  # early Scout exports say 4
     n = config.get("num_hidden_layers") or 0
     step, interval = values.pop("interleave_moe_layer_step"), values.pop("no_rope_layer_interval")  # as the lists
     values["moe_layers"] = list(config["moe_layers"] if config.get("moe_layers") is not None else range(step - 1, n, step))

@@ -5,8 +5,9 @@ and mixture-of-experts feed-forwards interleaved (models/llama4/args.py says whi
 Chunked attention is a document mask: a chunk is a run of `attention_chunk_size` positions, and a
 RoPE block's token sees the earlier tokens of its own (document, chunk) segment. Positions are the
 RoPE positions, so chunks count from the window's start, or under model.reset_position_ids from each
-document's (a document attends as if it were alone). Every kernel and context parallel's ring then
-take chunks as they take documents.
+document's (a document attends as if it were alone; so do the NoPE blocks' temperatures, which
+transformers takes from the window's positions even for packed documents). Every kernel and
+context parallel's ring then take chunks as they take documents.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class AttentionInputs:
     chunked mask, and each token's position."""
 
     full: DocumentMask | None
-    chunked: DocumentMask
+    chunked: DocumentMask | None  # None: the window is one chunk, and causal
     positions: torch.Tensor  # (b, s)
 
 
@@ -60,6 +61,8 @@ class Llama4Attention(Attention):
 
 
 class Llama4Transformer(Transformer):
+    """Llama's transformer with Llama 4's blocks; each forward builds both masks once for all blocks."""
+
     def make_block(self, layer_id: int, args: Llama4Args) -> TransformerBlock:
         feed_forward = MoE(args) if args.is_moe(layer_id) else FeedForward(args.dim, args.ffn_hidden_dim, args.fused_projections)
         return TransformerBlock(layer_id, args, feed_forward, Llama4Attention(args, layer_id))
@@ -68,6 +71,9 @@ class Llama4Transformer(Transformer):
         rope, full = super().position_inputs(positions, document_ids, seq_len)
         if positions is None:
             positions = torch.arange(seq_len, device=self.rope.device).unsqueeze(0)
+        if self.args.max_seq_len <= self.args.attention_chunk_size:
+            # One chunk holds the window: the NoPE blocks' mask (under causal, SDPA's causal kernel and torch's ring).
+            return rope, AttentionInputs(full, full, positions)
         chunks = positions // self.args.attention_chunk_size
         if document_ids is not None:  # one segment per (document, chunk), numbered in window order
             chunks = document_ids * (self.args.max_seq_len // self.args.attention_chunk_size + 1) + chunks

@@ -100,6 +100,7 @@ def check_hf_exportable(args: MoEArgs) -> None:
         (not args.qk_norm, "no q/k head norms"), (args.num_shared_experts, "shared experts"),
         (args.score_func != "softmax", f"{args.score_func} scores"), (args.route_scale != 1.0, "a route scale"),
         (args.rope_scaling, "Llama 3.1 RoPE scaling"), (args.n_group > 1, "group-limited routing"), (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"),
+        (args.score_before_experts, "routing weights on the experts' inputs"),
     ]
     if found := [what for differs, what in differences if differs]:
         raise ConfigError(
