@@ -5,6 +5,7 @@
     python scripts/plan.py --dims 12288,96,96,8 --vocab 50304 --gpu H100 --gpus 1024 --seq-len 2048 --global-batch 1536
     python scripts/plan.py --model 8B --gpu H100 --gpus 8 --layout dp_shard=8,ac=op   # one layout, estimated
     python scripts/plan.py --model deepseek_v3_671B --gpu H100 --gpus 1024 --seq-len 4096 --global-batch 8192
+    python scripts/plan.py --model llama4_17bx128e --gpu GB200 --gpus 256 --global-batch 1024
 
 Ranks the layouts that fit by estimated step time and explains the winner against the nearest
 alternatives (see titanlite/planner/cost_model.py for the model and its constants; docs/planner.md for how
@@ -23,13 +24,15 @@ from titanlite.hardware import GPUS, find_gpu
 from titanlite.models.common.args import ModelArgs
 from titanlite.models.llama3.args import LLAMA3_FLAVORS
 from titanlite.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+from titanlite.models.llama4.args import LLAMA4_FLAVORS
 from titanlite.models.moe.args import MOE_FLAVORS
 from titanlite.planner import FITTED, GIB, Layout, breakdown, estimate, explain, fit_constants, plan, published_runs, run_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-FLAVORS = {name: args for name, args in (LLAMA3_FLAVORS | MOE_FLAVORS | {f"deepseek_v3_{k}": v for k, v in DEEPSEEK_V3_FLAVORS.items()}).items()
+FLAVORS = {name: args for name, args in (LLAMA3_FLAVORS | MOE_FLAVORS | {f"deepseek_v3_{k}": v for k, v in DEEPSEEK_V3_FLAVORS.items()}
+                                         | {f"llama4_{k}": v for k, v in LLAMA4_FLAVORS.items()}).items()
            if "debug" not in name}
 PUBLISHED = REPO / "docs" / "published_runs.jsonl"
 

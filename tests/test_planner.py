@@ -399,24 +399,16 @@ def test_published_deepseek_v3_runs_within_15_percent():
 @pytest.mark.parametrize("gpus, global_batch", [(256, 2048), (1024, 8192)])
 def test_671b_on_h100_spreads_experts_and_explains_pipelining(gpus, global_batch):
     """DeepSeek-V3 671B at seq 4096, 8 sequences a GPU as the published H100 runs: the best layout
-    spreads the experts (EP >= 8): a smaller EP is slowed by gathering the experts (on 256 GPUs none
-    fits). On 1024 GPUs it pipelines (PP > 1): without PP the experts must spread over the network,
-    whose all-to-all the explanation shows. On 256 the best pipelined layout is within
+    spreads the experts (EP >= 8): a smaller EP keeps more experts on each rank, which FSDP2 shards
+    whole, and none fits. On 1024 GPUs it pipelines (PP > 1): without PP the experts must spread over
+    the network, whose all-to-all the explanation shows. On 256 the best pipelined layout is within
     the model's error of it."""
-    from titanlite.planner.search import slower
-
     fitting, rejected = plan(DSV3, 4096, global_batch, find_gpu("H100"), gpus)
     best = fitting[0]
     assert best.layout.ep >= 8, best.layout.describe()
-    # EP below 8 keeps more experts on each rank: on 256 GPUs none fits; on 1024 FSDP gathers them
-    # over the network every step.
-    small_ep = [e for e in fitting if e.layout.ep < 8]
-    if gpus == 256:
-        assert not small_ep and min(e.memory_total for e in rejected if e.layout.ep < 8) > best.capacity
-    else:
-        assert small_ep[0].step_time > 1.5 * best.step_time and "data parallel exposed +" in slower(small_ep[0], best)
+    assert not [e for e in fitting if e.layout.ep < 8]
+    assert min(e.memory_total for e in rejected if e.layout.ep < 8) > best.capacity
     lines = explain(fitting, rejected, DSV3, 4096)
-    assert any(line.startswith("  vs ep ") for line in lines)
     if gpus == 1024:
         assert best.layout.pp > 1, best.layout.describe()
         no_pp = next(line for line in lines if line.startswith("  vs pp 1 "))
@@ -425,6 +417,7 @@ def test_671b_on_h100_spreads_experts_and_explains_pipelining(gpus, global_batch
         pipelined = next(e for e in fitting if e.layout.pp > 1)
         assert pipelined.step_time < 1.05 * best.step_time, pipelined.layout.describe()
         assert any(line.startswith(f"  vs pp {pipelined.layout.pp} ") for line in lines)
+        assert any(line.startswith("  vs ep ") for line in lines)
 
 
 def test_long_context_all_gather_cp_across_nodes():

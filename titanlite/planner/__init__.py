@@ -2,7 +2,8 @@
 (scripts/plan.py is its command line; docs/planner.md has the model, its constants and its errors).
 
   cost_model.py  the model: its constants (fitted and stated), Layout, Estimate, estimate()
-  shapes.py      what it reads from a model's shapes (latent attention, multi-token prediction, routing)
+  shapes.py      what it reads from a model's shapes (latent attention, multi-token prediction, routing,
+                 Llama 4's chunks and interleaved MoE blocks)
   fit.py         the published runs it is fitted and checked on, and the fit of its constants
   search.py      the candidate layouts, the plan (those that fit, fastest first) and its explanation
 

@@ -13,7 +13,8 @@ Memory per GPU (bytes):
 Step time: the linears' FLOPs at a sustained share of the peak (per GPU type and framework, under a
 power limit, lower for small GEMMs: a GEMM's size is the harmonic sum of its dimensions, its
 arithmetic intensity; float8 faster, up to the GPU's float8/bf16 peak ratio, the larger the GEMM),
-causal attention at its own rate (CP's ring rounds slower), the memory-bound elementwise work
+causal attention at its own rate over the keys each block sees (CP's ring rounds slower; masked
+attention under CP in titanlite's fp32 document ring), the memory-bound elementwise work
 (norms, activations, RoPE, residuals: passes over each activation at HBM bandwidth, fewer when
 fused by torch.compile or Transformer Engine), recompute, a fixed host cost per block and
 microbatch (more per MoE block), the pipeline's busiest stage (the last one also runs the output,
@@ -23,15 +24,17 @@ overlap), the pipeline bubble (interleaved stages shrink it), CP's exchange (the
 round's attention; the all-gather CP's in full), HSDP's and ZeRO-1's gradient exchange beyond what
 overlaps, and for MoE models expert parallel's all-to-alls (titanlite's not overlapped).
 
-Mixture of experts: FLOPs count the active parameters (a token's top-k experts); the routed experts
-are sharded like every weight (over ep x efsdp = dp_shard x cp x tp) but gathered by FSDP over efsdp
-only, so a rank's working copy holds experts / ep of them (the planner models expert TP degree 1:
+Mixture of experts, in the MoE blocks (the args' is_moe): FLOPs count the active parameters (a
+token's top-k experts); the routed experts are split over ep x efsdp (= dp_shard x cp x tp) but as
+FSDP2 shards them, whole along their first dim (no more ranks than experts share them), and gathered
+by FSDP over efsdp only, so a rank's working copy holds experts / ep of them (expert TP degree 1:
 experts whole, each expert's GEMM as large as the copies routed to it; float8 covers the dense
 linears, and the routed experts only under Megatron's grouped GEMMs); the MoE layer routes each tp
 rank's sequence shard (titanlite's MoE under TP), and the all-to-all moves top_k copies of each
 token's hidden state to its experts and back, forward and backward; across nodes, copy by copy
 (titanlite) or once per node reached (DeepEP, HybridEP: at most topk_group nodes under DeepSeek-V3's
-group-limited routing). DeepSeek-V3's latent attention and multi-token prediction: shapes.py.
+group-limited routing). DeepSeek-V3's latent attention and multi-token prediction, Llama 4's chunks
+and interleaved MoE blocks: shapes.py.
 Collectives are ring-costed at NVLink speed inside an NVLink domain and network speed across. A few
 constants are fitted to the published runs of docs/published_runs.jsonl (`fit.fit_constants`,
 scripts/plan.py --fit; some held out), the rest stated; docs/planner.md has both and the errors.
@@ -44,9 +47,9 @@ from dataclasses import dataclass, field, replace
 from titanlite.hardware import GPU
 from titanlite.models.common.args import ModelArgs, MoEArgs
 from titanlite.planner.shapes import (
-    attention_flops, attention_shape, block_activation_elements, elementwise_elements, expert_params, latent_down_params,
-    moe_layers, mtp_depth, padded_attention_flops, remote_nodes_per_token, routed_flops, stage_expert_params, stage_params,
-    tail_flops,
+    attention_flops, attention_shape, attention_spans, block_activation_elements, block_weights, elementwise_elements,
+    flops_per_token as counted_flops_per_token, heaviest_layers, latent_down_params, moe_blocks_among, moe_share,
+    mtp_depth, padded_attention_flops, remote_nodes_per_token, routed_flops, stage_expert_params, stage_params, tail_flops,
 )
 
 GIB = 2**30
@@ -97,6 +100,10 @@ FUSED_PASSES = 4
 # rest). No published run used one.
 ZERO_BUBBLE_SHARE = 1 / 3
 GPU_OVERHEAD = 2 * GIB
+# Stated (datasheets): the fp32 peak without tensor cores, as a share of the bf16 peak, per GPU type
+# (others: H100's). titanlite's document ring multiplies fp32 scores at it (torch's default matmul
+# precision: no TF32).
+FP32_SHARE = {"A100": 19.5 / 312, "H100": 67 / 989, "B200": 75 / 2250, "GB200": 80 / 2500}
 # The range the published runs cover: the smallest per-GPU matmul width (min(dim, ffn) / tp) and
 # tokens per microbatch and GPU among them, and the largest CP degree.
 VALIDATED = {"width": 512, "tokens": 2048, "cp": 8}
@@ -196,6 +203,10 @@ def estimate(
     dense = params - expert_part
     edp = L.dp_replicate * fsdp * L.tp // L.ep
     efsdp = max(1, fsdp * L.tp // L.ep)  # the ranks FSDP shards each routed expert over (ZeRO-1: none)
+    # FSDP2 shards a weight along its first dim, the experts': ceil(local experts / efsdp) whole experts
+    # on the first ranks, and none on the last where the ranks outnumber the experts.
+    local_experts = model.num_experts // L.ep if expert_part else 1
+    expert_shard = -(-local_experts // efsdp) / local_experts  # the share of its EP rank's experts a rank holds, at most
     est = Estimate(L, gpu, capacity=gpu.hbm_bytes, peak=gpu.bf16_flops)
 
     # Memory. ZeRO-1: bf16 weights and fp32 gradients whole, the fp32 master weights and Adam's
@@ -204,20 +215,24 @@ def estimate(
     if L.zero1:
         est.memory["states"] = (6 + 12 / (L.dp_replicate * fsdp)) * dense / L.tp + (6 + 12 / edp) * expert_part / L.ep
     else:
-        est.memory["states"] = 16 * params / (L.tp * fsdp)
-    gathered_blocks = blocks if L.pp > 1 else 2  # a pipeline stage keeps all its blocks gathered
-    experts = expert_params(model)
+        est.memory["states"] = 16 * (dense / (L.tp * fsdp) + expert_part / L.ep * expert_shard)
+    # The blocks FSDP holds gathered: a pipeline stage keeps all its blocks, otherwise two at a time.
+    gathered_dense, gathered_experts = block_weights(model, heaviest_layers(model, blocks if L.pp > 1 else 2))
     sharded = fsdp > 1 and not L.zero1  # ZeRO-1 keeps the weights whole: nothing to gather
     # EP ranks gather their own experts (whole) over efsdp; where FSDP does not shard them (efsdp 1)
     # their gradient is the one the states count, and only the compute-dtype copy is extra.
-    gathered_block = (model.block_params - experts) / L.tp * (act_bytes + 4) + experts / L.ep * (act_bytes + (4 if efsdp > 1 else 0))
-    est.memory["gathered"] = gathered_blocks * gathered_block if sharded else 0.0
+    gathered = gathered_dense / L.tp * (act_bytes + 4) + gathered_experts / L.ep * (act_bytes + (4 if efsdp > 1 else 0))
+    est.memory["gathered"] = gathered if sharded else 0.0
     # Microbatches whose activations a stage holds at once: pp under 1F1B; under an interleaved
     # schedule the first rank's warm-up runs (vp - 1) pp + 2 (pp - 1) + 1 stage-forwards of
     # blocks / vp blocks each before its first backward (torch's Interleaved1F1B).
     warmup = (L.vp - 1) * L.pp + 2 * (L.pp - 1) + 1 if L.vp > 1 else L.pp
     in_flight = min(per_schedule * L.vp, warmup) / L.vp
-    per_block = block_activation_elements(model, tokens, L, values_padded) * act_bytes
+    # The largest stage's blocks (all of them without PP), MoE and dense.
+    stage_moe_blocks = moe_blocks_among(model, heaviest_layers(model, blocks))
+    stage_blocks = sum(n * block_activation_elements(model, tokens, L, values_padded, moe) * act_bytes
+                       for n, moe in ((stage_moe_blocks, True), (blocks - stage_moe_blocks, False)) if n)
+    per_block = block_activation_elements(model, tokens, L, values_padded) * act_bytes  # a MoE block's, where blocks differ
     one_block = block_activation_elements(model, tokens, replace(L, ac="none"), values_padded) * act_bytes
     # Backward of a block holds gradients shaped like its activations (and, under full AC, the
     # recomputed activations themselves) next to everything still saved.
@@ -226,7 +241,7 @@ def estimate(
     # which holds one microbatch at a time under 1F1B; counted on top of the busiest stage's).
     depth = mtp_depth(model)
     logits = tokens * model.vocab_size / L.tp * (act_bytes + 8 if act_bytes == 2 else 8) * (1 + depth)
-    est.memory["activations"] = in_flight * blocks * per_block + working_set + logits + depth * per_block
+    est.memory["activations"] = in_flight * stage_blocks + working_set + logits + depth * per_block
     est.memory["overhead"] = overhead
 
     # Compute: per token, the linears at the matmul rate (float8's faster by float8_speedup; the output
@@ -235,7 +250,7 @@ def estimate(
     # their own size, and causal attention (half the FLOPs counted: flops_per_token counts the full
     # square) at ATTENTION_RATE times the rate of its own GEMMs.
     est.tokens_per_gpu = global_batch * seq_len / (dp * L.tp * L.cp * L.pp)
-    flops_per_token = model.flops_per_token(seq_len)
+    flops_per_token = counted_flops_per_token(model, seq_len)
     est.flops_per_gpu = flops_per_token * est.tokens_per_gpu
     shape = attention_shape(model, values_padded)
 
@@ -273,20 +288,36 @@ def estimate(
         expert_gemm = harmonic(model.dim, model.moe_hidden_dim, tokens / L.tp * model.top_k * L.ep / model.num_experts)
         expert_speedup = float8_speedup(expert_gemm) if software == "megatron" else 1.0
         time_per_token += routed / (expert_speedup * sustained * saturation(expert_gemm))
-    # Attention's GEMMs: QK^T (chunk x qk head dim x keys), then the weights times V (the kernel's
-    # value head dim). Context parallel's ring computes them in chunks of seq / (2 cp) queries
+    # Attention's GEMMs: QK^T (queries x qk head dim x keys), then the weights times V (the kernel's
+    # value head dim), block by block over the keys its queries see (Llama 4's RoPE blocks: a chunk;
+    # its FLOPs as attention_flops_per_token counts them, the kernel skipping what the causal mask
+    # or the chunk hides). Context parallel's ring computes them in pieces of seq / (2 cp) queries
     # (head-tail) against one KV shard a round, each of its cp - 1 further rounds (another KV shard,
     # its merge into the output and log-sum-exp, forward and backward) costing CP_ROUND of the
     # attention more; the all-gather CP (Llama 3's) runs the local queries against all keys at once.
-    chunk = seq_len / (2 * L.cp) if L.cp > 1 else seq_len
-    keys = seq_len if L.cp_allgather else chunk
+    # Masked attention under CP is titanlite's document ring: every query against every KV shard,
+    # all scores computed (nothing skipped, however short the chunk), as fp32 matmuls: forward's two
+    # products and backward's five (it recomputes the scores), at the fp32 peak (a bound: the fp32
+    # score tiles' elementwise passes come on top).
+    queries = seq_len / (2 * L.cp) if L.cp > 1 else seq_len
     rounds = 1.0 if L.cp_allgather else 1 + CP_ROUND * (L.cp - 1)
     kernel_attention = padded_attention_flops(model, seq_len, shape)
-    attention_per_token = sum(
-        0.5 * kernel_attention * head_dim / (shape.qk_head_dim + shape.v_head_dim)
-        / (ATTENTION_RATE * sustained * saturation(harmonic(chunk, head_dim, keys)) / rounds)
-        for head_dim in (shape.qk_head_dim, shape.v_head_dim)
-    )
+    qk, v = shape.qk_head_dim, shape.v_head_dim
+    spans = attention_spans(model, seq_len)
+    key_blocks = sum(keys * span_blocks for keys, _, span_blocks in spans)
+    attention_per_token = 0.0
+    for keys, masked, span_blocks in spans:
+        span_flops = kernel_attention * keys * span_blocks / key_blocks
+        if masked and L.cp > 1:
+            ring_flops = span_flops * seq_len / keys * (4 * qk + 3 * v) / (3 * (qk + v))
+            attention_per_token += ring_flops / (gpu.bf16_flops * FP32_SHARE[gpu_family(gpu) or "H100"] * power)
+            continue
+        seen = min(keys, seq_len if L.cp_allgather else queries)  # keys a round's GEMM sees
+        attention_per_token += sum(
+            0.5 * span_flops * head_dim / (qk + v)
+            / (ATTENTION_RATE * sustained * saturation(harmonic(min(queries, keys), head_dim, seen)) / rounds)
+            for head_dim in (qk, v)
+        )
     compute = est.tokens_per_gpu * (time_per_token + attention_per_token)
     # Recomputed in backward: under full AC one more forward (1/3 of forward + backward); titanlite's
     # op policy keeps every matmul (norms and elementwise ops rerun); TorchTitan's ("op_half")
@@ -298,7 +329,9 @@ def estimate(
     passes = FUSED_PASSES if L.compile or software == "megatron" else ELEMENTWISE_PASSES
     elements = elementwise_elements(model, L, values_padded)
     elementwise = microbatches * tokens * blocks * elements * act_bytes * passes / gpu.hbm_bandwidth
-    moe_blocks = blocks * moe_layers(model) / (model.n_layers + depth)  # the stage's (multi-token prediction's among them)
+    # The stage's MoE blocks (multi-token prediction's among them) at the model's share: an average
+    # stage's mix, not the busiest one's.
+    moe_blocks = blocks * moe_share(model)
     host = microbatches * (blocks * BLOCK_OVERHEAD[software] + moe_blocks * (MOE_BLOCK_OVERHEAD[software] if moe_blocks else 0.0))
     est.time["compute"] = (compute + elementwise) * (1 + recompute_share) + host
     if L.pp > 1:
@@ -324,14 +357,16 @@ def estimate(
     if sharded:
         # Dense weights are gathered over fsdp; routed experts (whole, experts / ep per rank) over efsdp.
         # Float8 all-gathers move the dense linears' weights in 1 byte; the routed experts stay in high precision.
-        for weights, group, float8_gather in ((dense / L.tp, fsdp, L.float8), (expert_part / L.ep, efsdp, False)):
+        # Each rank sends its (padded) shard to the group's other ranks.
+        for weights, group, shard, float8_gather in ((dense / L.tp, fsdp, 1 / fsdp, L.float8),
+                                                     (expert_part / L.ep, efsdp, expert_shard, False)):
             if group > 1 and weights:
                 shard_bytes = weights * (1 if float8_gather else act_bytes)
                 if L.pp > 1:
                     per_step = L.accumulation * (shard_bytes + weights * 4)
                 else:
                     per_step = microbatches * (2 * shard_bytes + weights * 4)
-                data_parallel += per_step * (group - 1) / group / link(L.tp * fsdp)
+                data_parallel += per_step * (group - 1) * shard / link(L.tp * fsdp)
     # HSDP / DDP replicas: one all-reduce of the (sharded) fp32 gradients; ZeRO-1: a reduce-scatter of
     # the whole fp32 gradients and an all-gather of the bf16 weights over the replicas x cp
     # (Megatron's overlap_grad_reduce and overlap_param_gather overlap both).
@@ -361,10 +396,12 @@ def estimate(
     if L.pp > 1:
         bubble = (L.pp - 1) / (L.vp * per_schedule) * (ZERO_BUBBLE_SHARE if L.zero_bubble else 1.0)
         est.time["pp bubble"] = est.time["compute"] * bubble
+    # Every block's keys and values go round, a chunked block's too: no ring (torch's, or titanlite's
+    # document ring) skips a KV shard that the mask hides.
     if L.cp > 1:
         est.time["cp exposed"] = context_parallel_exposed(L, microbatches * blocks * tokens * (shape.k_width + shape.v_width) / L.tp
                                                           * act_bytes, link(L.tp * L.cp), est.tokens_per_gpu * attention_per_token)
-    if experts and L.ep > 1:
+    if moe_blocks and L.ep > 1:
         routed_tokens = microbatches * moe_blocks * tokens / L.tp
         est.time["ep all-to-all"] = expert_parallel_time(model, L, gpu, routed_tokens * model.dim * act_bytes, est.time["compute"])
     return est

@@ -1,7 +1,11 @@
 """What the cost model reads from a model's shapes: the parameters of a pipeline stage, the tensors a
 block keeps for backward, its attention's dimensions (grouped-query, or DeepSeek-V3's multi-head
-latent attention), the work multi-token prediction adds after the output head, and how many nodes a
-routed token's copies reach.
+latent attention) and how far its queries see (Llama 4's chunks), the work multi-token prediction
+adds after the output head, and how many nodes a routed token's copies reach.
+
+Blocks may differ: a MoE model's dense blocks (DeepSeek's first ones, Llama 4's interleaved ones:
+the args' is_moe) keep a dense SwiGLU, so MoE costs are counted for the MoE blocks only, and a
+pipeline stage's weights for the blocks it holds.
 
 Multi-head latent attention (MLA, DeepSeek-V3): each head's query and key are qk_nope + qk_rope wide
 (192 in V3), its value v_head_dim (128). Queries come through a q_lora_rank latent, keys and values
@@ -15,11 +19,14 @@ attention (Megatron, NeMo AutoModel) takes the values' own head dim.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from math import comb
 
 from titanlite.models.common.args import ModelArgs, MoEArgs
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args
+from titanlite.models.llama4.args import Llama4Args
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,14 @@ def mtp_depth(model: ModelArgs) -> int:
     return model.mtp_depth if isinstance(model, DeepSeekV3Args) else 0
 
 
+@lru_cache(maxsize=256)
+def flops_per_token(model: ModelArgs, seq_len: int) -> float:
+    """model.flops_per_token, counted block by block once per shape (the planner prices thousands of
+    layouts of one shape)."""
+    return model.flops_per_token(seq_len)
+
+
+@lru_cache(maxsize=256)
 def attention_flops(model: ModelArgs, seq_len: int) -> float:
     """Core attention's FLOPs per token as flops_per_token counts them (the full square: QK^T over the
     query/key head dim, AV over the values' own), multi-token prediction's blocks included."""
@@ -71,11 +86,50 @@ def padded_attention_flops(model: ModelArgs, seq_len: int, shape: AttentionShape
     return counted * (model.qk_head_dim + shape.v_head_dim) / (model.qk_head_dim + model.v_head_dim)
 
 
+@lru_cache(maxsize=256)
+def attention_spans(model: ModelArgs, seq_len: int) -> tuple[tuple[int, bool, int], ...]:
+    """(the most keys a query sees, whether the attention runs masked, blocks) for each kind of block:
+    masked, it runs FlexAttention's block mask, and under context parallel titanlite's document ring.
+    Llama 4's RoPE blocks see their chunk of attention_chunk_size positions, masked; its NoPE blocks,
+    as every other model's, the sequence, masked only under document masks. Their keys weigh as
+    attention_flops_per_token counts them."""
+    documents = model.attn_mask_type == "block_causal"
+    if not isinstance(model, Llama4Args):
+        return ((seq_len, documents, model.n_layers),)
+    chunk = min(seq_len, model.attention_chunk_size)
+    kinds = Counter((chunk, True) if model.uses_rope(i) else (seq_len, documents) for i in range(model.n_layers))
+    return tuple((keys, masked, blocks) for (keys, masked), blocks in kinds.items())
+
+
+def is_moe_block(model: ModelArgs, layer: int) -> bool:
+    return isinstance(model, MoEArgs) and model.is_moe(layer)
+
+
+@lru_cache(maxsize=256)
+def heaviest_layers(model: ModelArgs, count: int) -> range:
+    """The `count` consecutive blocks with the most MoE blocks among them (the first such): the
+    largest pipeline stage, or the two blocks FSDP holds gathered at once."""
+    count = min(count, model.n_layers)
+    start = max(range(model.n_layers - count + 1), key=lambda s: moe_blocks_among(model, range(s, s + count)))
+    return range(start, start + count)
+
+
+@lru_cache(maxsize=1024)
+def moe_blocks_among(model: ModelArgs, layers: range) -> int:
+    return sum(is_moe_block(model, i) for i in layers)
+
+
+@lru_cache(maxsize=256)
 def moe_layers(model: ModelArgs) -> int:
     """MoE blocks, multi-token prediction's (a MoE block each) included."""
     if not isinstance(model, MoEArgs):
         return 0
-    return model.n_layers - model.n_dense_layers + mtp_depth(model)
+    return sum(model.is_moe(i) for i in range(model.n_layers)) + mtp_depth(model)
+
+
+def moe_share(model: ModelArgs) -> float:
+    """The MoE blocks' share of all blocks (multi-token prediction's included)."""
+    return moe_layers(model) / (model.n_layers + mtp_depth(model))
 
 
 def expert_params(model: ModelArgs) -> float:
@@ -108,32 +162,43 @@ def latent_down_params(model: ModelArgs) -> int:
     return model.dim * (model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim)
 
 
+@lru_cache(maxsize=256)
+def block_weights(model: ModelArgs, layers: range) -> tuple[float, float]:
+    """The weights of these blocks: (all but the routed experts', the routed experts')."""
+    total = sum(model.attention_params + model.feed_forward_params(i) for i in layers)
+    experts = moe_blocks_among(model, layers) * expert_params(model)
+    return total - experts, experts
+
+
+@lru_cache(maxsize=256)
 def stage_params(model: ModelArgs, pp: int) -> float:
     """Parameters of the largest pipeline stage: its blocks plus the embedding or the output (and the
     multi-token prediction modules, which sit on the last stage with the output)."""
-    if pp == 1:
-        return model.num_params() + (model.mtp_params() if mtp_depth(model) else 0)
-    blocks = -(-model.n_layers // pp)
     mtp = model.mtp_params() if mtp_depth(model) else 0
-    return blocks * model.block_params + model.vocab_size * model.dim + model.dim + mtp
+    if pp == 1:
+        return model.num_params() + mtp
+    blocks = sum(block_weights(model, heaviest_layers(model, -(-model.n_layers // pp))))
+    return blocks + model.vocab_size * model.dim + model.dim + mtp
 
 
 def stage_expert_params(model: ModelArgs, pp: int) -> float:
-    """The routed experts' weights in the largest pipeline stage (stage_params counts its blocks as MoE
-    blocks, and multi-token prediction's with them)."""
-    blocks = moe_layers(model) if pp == 1 else -(-model.n_layers // pp) + mtp_depth(model)
-    return blocks * expert_params(model)
+    """The routed experts' weights in the largest pipeline stage (multi-token prediction's MoE blocks
+    with them)."""
+    if pp == 1:
+        return moe_layers(model) * expert_params(model)
+    return block_weights(model, heaviest_layers(model, -(-model.n_layers // pp)))[1] + mtp_depth(model) * expert_params(model)
 
 
-def block_activation_elements(model: ModelArgs, tokens: float, layout, values_padded: bool = True) -> float:
-    """Elements autograd saves in one block for `tokens` local tokens (sequence parallel under TP)."""
+def block_activation_elements(model: ModelArgs, tokens: float, layout, values_padded: bool = True, moe: bool = True) -> float:
+    """Elements autograd saves in one block for `tokens` local tokens (sequence parallel under TP): a
+    MoE block's where the model has them and `moe`, else a dense block's."""
     d, tp = model.dim, layout.tp
     a = attention_shape(model, values_padded)
     f = model.ffn_hidden_dim
     gathered = d / tp if layout.sp_regather else d  # a norm output as its GEMMs save it
     if layout.ac == "full":
         return tokens * d / tp  # the block input only
-    if isinstance(model, MoEArgs):
+    if isinstance(model, MoEArgs) and moe:
         # Each tp rank routes tokens / tp tokens: k copies of the input, each expert's w1/w3 outputs,
         # silu(w1) and w2's input, its output; the shared experts' SwiGLU; the router's scores.
         routed = model.top_k * (2 * d + 4 * model.moe_hidden_dim)
@@ -160,14 +225,14 @@ def block_activation_elements(model: ModelArgs, tokens: float, layout, values_pa
 
 
 def elementwise_elements(model: ModelArgs, layout, values_padded: bool = True) -> float:
-    """Activations per token a block's memory-bound work reads and writes: the two norm outputs, q
-    and the attention output, k and v, SwiGLU's three (MLA: and its latents and their norms; MoE: the
-    routed copies, permuted out and combined back)."""
+    """Activations per token a block's memory-bound work reads and writes, on average over the blocks:
+    the two norm outputs, q and the attention output, k and v, SwiGLU's three (MLA: and its latents
+    and their norms; in MoE blocks: the routed copies, permuted out and combined back)."""
     a = attention_shape(model, values_padded)
     tp = layout.tp
     elements = (2 * model.dim + 2 * a.q_width + a.k_width + a.v_width + 3 * model.ffn_hidden_dim) / tp + 2 * a.latents
     if isinstance(model, MoEArgs):
-        elements += 2 * model.top_k * model.dim / tp
+        elements += moe_share(model) * 2 * model.top_k * model.dim / tp
     return elements
 
 
