@@ -227,7 +227,7 @@ EXTENDED = {
     "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
     "tp2_sp_lp", "free_cp2", "doc_fsdp2", "dsv3_pp2_zbvzerobubble", "dsv3_pp2_dualpipev", "dsv3_tp2_separate_projections",
-    "l4_pp2_gpipe", "l4_pp2_dualpipev",
+    "l4_pp2_gpipe", "l4_pp2_dualpipev", "l4_pp2_loopedbfs", "l4_pp2_interleavedzerobubble",
 }
 # Llama 4 (debugmodel: MoE every other block, NoPE block 3 and 7, L2 QK-norm, temperature tuning from
 # position 7 on). seq_len 32 spans chunks: under CP 2 the head-tail shards are 4 pieces of 8 tokens,
@@ -253,12 +253,15 @@ CASES_L4_2 = {
     "l4_pp2_gpipe": chunks(12) + PP + schedule("GPipe"),
     "l4_pp2_zbvzerobubble": chunks(12) + PP + schedule("ZBVZeroBubble"),
     "l4_pp2_dualpipev": chunks(12) + PP + schedule("DualPipeV"),
+    "l4_pp2_loopedbfs": chunks(12) + PP + schedule("LoopedBFS"),
+    "l4_pp2_interleavedzerobubble": chunks(12) + PP + schedule("InterleavedZeroBubble"),
 }
 CASES_L4_4 = {
     "l4_cp4_chunk8": chunks(8) + [CP, "4"],
     "l4_ep2_fsdp2": chunks(12) + [EP, "2"],
     "l4_fsdp2_tp2": chunks(12) + [TP, "2"],
     "l4_ep2_tp2_etp2": chunks(12) + [EP, "2", TP, "2", ETP, "2"],
+    "l4_cp2_tp2": chunks(12) + [CP, "2", TP, "2"],
     "l4_hsdp2x2": chunks(12) + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
 }
 TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2 | CASES_L4_2

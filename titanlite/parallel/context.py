@@ -128,7 +128,7 @@ class RingAttention(CoreAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
         if mask is None:
             return super().forward(q, k, v, None)
-        out, _ = document_ring(q, k, v, mask.document_ids, mask.positions, self.group_name, self.rotate_method)
+        out, _, _ = document_ring(q, k, v, mask.document_ids, mask.positions, self.group_name, self.rotate_method)
         return out
 
 

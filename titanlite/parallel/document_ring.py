@@ -5,11 +5,14 @@ keys, each KV shard travelling with its tokens' document ids and positions, so t
 The KV shards are all gathered at once (`allgather`) or passed around the ring while each rank
 computes (`alltoall`), as `parallelism.context_parallel_rotate_method` says. Scores of each visiting
 shard are computed in fp32, in blocks of query rows (at most SCORE_TILE_ELEMENTS at a time), and
-merged by their log-sum-exp (flash attention's recurrence). A visiting shard that no local query may
-see (Llama 4's chunks, or documents, wholly elsewhere) is skipped, and counted in ROUNDS. Backward recomputes them shard by shard
+merged by their log-sum-exp (flash attention's recurrence). Backward recomputes them shard by shard
 from the saved output and log-sum-exp; each shard's key/value gradients go back to the rank that
 holds it (a reduce-scatter, or one more hop around the ring). GQA shares each KV head among its
 query heads without repeating k and v.
+
+A visiting shard that no local query may see (Llama 4's chunks, or documents, wholly elsewhere) is
+not computed on, forward or backward (it still travels on), and counted in ROUNDS. Which shards
+those are is found once per call (`rounds_seen`: one read to the host per layer), not per round.
 
 Forward and backward are custom ops: activation checkpointing's per-op policy sees one op (and
 keeps its output and log-sum-exp, not its score tiles), and torch.compile graphs hold the op, not
@@ -31,18 +34,21 @@ SCORE_TILE_ELEMENTS = 2**26  # fp32 scores held at once: 256 MiB
 @torch.library.custom_op("titanlite::document_ring", mutates_args=())
 def document_ring(
     q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, group_name: str, rotate_method: str
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """q (b, heads, s, d); k, v (b, kv_heads, s, d); document ids and positions (b, s) of this rank's
-    tokens. Returns the attention output (like q) and its log-sum-exp (b, heads, s, fp32)."""
+    tokens. Returns the attention output (like q), its log-sum-exp (b, heads, s, fp32), and which
+    rounds' KV shards its queries see (`rounds_seen`; kept for backward)."""
     group = _resolve_process_group(group_name)
     local = DocumentMask(document_ids, positions)
+    seen = rounds_seen(local, group)
     q5, scale = _grouped(q, k.shape[1]), q.shape[-1] ** -0.5
     out = lse = None
     # The own shard comes first, and each query sees at least itself there: lse is finite from then on.
-    for kv, layout in _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method):
-        allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)  # (b, 1, 1, sq, sk)
-        if not _counted(allowed, "forward"):
+    rounds = _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method)
+    for (kv, layout), run in zip(rounds, _counted(seen, "forward")):
+        if not run:
             continue
+        allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)  # (b, 1, 1, sq, sk)
         shard_out, shard_lse = _attend(q5, kv[0], kv[1], allowed, scale)
         if out is None:
             out, lse = shard_out, shard_lse
@@ -50,18 +56,20 @@ def document_ring(
         merged = torch.logaddexp(lse, shard_lse)
         out = out * torch.exp(lse - merged)[..., None] + shard_out * torch.exp(shard_lse - merged)[..., None]
         lse = merged
-    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2), seen
 
 
 @document_ring.register_fake
 def _(q, k, v, document_ids, positions, group_name, rotate_method):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)  # contiguous, as the real ones
+    cp = dist.get_world_size(_resolve_process_group(group_name))
+    # Contiguous, as the real ones.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), torch.empty(cp, dtype=torch.bool)
 
 
 @torch.library.custom_op("titanlite::document_ring_backward", mutates_args=())
 def document_ring_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, out: Tensor, lse: Tensor,
-    group_name: str, rotate_method: str,
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, seen: Tensor, out: Tensor,
+    lse: Tensor, group_name: str, rotate_method: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     group = _resolve_process_group(group_name)
     n, kv_heads = dist.get_world_size(group), k.shape[1]
@@ -72,12 +80,13 @@ def document_ring_backward(
     grad_q = q5.new_zeros(q5.shape)  # contiguous (q5 may be a strided view of q), as the fake output says
     by_shard = []  # allgather: each visiting shard's key/value gradients
     travelling = None  # alltoall: the gradients of the shard now here, summed over the ranks it visited
-    for kv, layout in _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method):
-        allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)
-        if _counted(allowed, "backward"):
+    rounds = _visits([torch.stack([k, v]), torch.stack([document_ids, positions])], group, rotate_method)
+    for (kv, layout), run in zip(rounds, _counted(seen, "backward")):
+        if run:
+            allowed = local.allowed(layout[0], layout[1]).unsqueeze(1)
             grad_kv = _gradients(q5, grad5, row_dot, lse, kv[0], kv[1], allowed, scale, grad_q)
         else:
-            grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32)
+            grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32)  # still sent home: the sums keep their order
         if rotate_method == "allgather":
             by_shard.append(grad_kv)
         else:
@@ -94,16 +103,17 @@ def document_ring_backward(
 
 
 @document_ring_backward.register_fake
-def _(grad_out, q, k, v, document_ids, positions, out, lse, group_name, rotate_method):
+def _(grad_out, q, k, v, document_ids, positions, seen, out, lse, group_name, rotate_method):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, document_ids, positions, ctx.group_name, ctx.rotate_method = inputs
-    ctx.save_for_backward(q, k, v, document_ids, positions, *output)
+    out, lse, seen = output
+    ctx.save_for_backward(q, k, v, document_ids, positions, seen, out, lse)
 
 
-def _backward(ctx, grad_out, _grad_lse):
+def _backward(ctx, grad_out, _grad_lse, _grad_seen):
     grads = document_ring_backward(grad_out, *ctx.saved_tensors, ctx.group_name, ctx.rotate_method)
     return *grads, None, None, None, None
 
@@ -116,12 +126,20 @@ document_ring.register_autograd(_backward, setup_context=_setup_context)
 ROUNDS = {(direction, outcome): 0 for direction in ("forward", "backward") for outcome in ("run", "skipped")}
 
 
-def _counted(allowed: Tensor, direction: str) -> bool:
-    """Whether any query sees any key of this shard (a host sync per round: cheap next to the round
-    it may save), counted in ROUNDS."""
-    run = bool(allowed.any())
-    ROUNDS[direction, "run" if run else "skipped"] += 1
-    return run
+def _counted(seen: Tensor, direction: str) -> list[bool]:
+    runs = seen.tolist()  # on the host already
+    for run in runs:
+        ROUNDS[direction, "run" if run else "skipped"] += 1
+    return runs
+
+
+def rounds_seen(local: DocumentMask, group) -> Tensor:
+    """(cp,) booleans on the host: whether any of this rank's queries sees a key of round j's KV shard
+    (cp rank (rank - j) mod cp). The layouts are gathered and the answer read to the host once per
+    call, not per round; backward reuses it."""
+    layouts = _visits([torch.stack([local.document_ids, local.positions])], group, "allgather")
+    seen = torch.stack([local.allowed(layout[0][0], layout[0][1]).any() for layout in layouts])
+    return seen.cpu()
 
 
 def _visits(local: list[Tensor], group, rotate_method: str):

@@ -87,12 +87,17 @@ def check_shapes(args: Llama4Args) -> None:
             f"attention_chunk_size={args.attention_chunk_size} must be > 0: Llama 4's RoPE blocks attend within chunks "
             "of that many tokens; use a positive size (Meta's: 8192)"
         )
-    for name in ("interleave_moe_layer_step", "nope_layer_interval"):
+    for name, what in (("interleave_moe_layer_step", "a MoE block"), ("nope_layer_interval", "a NoPE block")):
         if getattr(args, name) <= 0:
             raise ConfigError(
-                f"{name}={getattr(args, name)} must be >= 1: every {name.split('_')[0]}-th block is chosen by it; "
-                "use 1 (every block) or more (Scout's MoE step: 1, Maverick's: 2; NoPE interval: 4)"
+                f"{name}={getattr(args, name)} must be >= 1: every {name}-th block is {what}; use 1 (every block) "
+                "or more (Scout's interleave_moe_layer_step: 1, Maverick's: 2; nope_layer_interval: 4)"
             )
+    if args.n_dense_layers:
+        raise ConfigError(
+            f"n_dense_layers={args.n_dense_layers} does not apply to Llama 4, whose dense blocks are those between its "
+            "MoE blocks: set interleave_moe_layer_step instead, and n_dense_layers=0"
+        )
     if args.floor_scale <= 0:
         raise ConfigError(f"floor_scale={args.floor_scale} must be > 0 (Meta's: 8192)")
     if args.qk_norm:
