@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.models.common.attention import Attention, DocumentMask, build_mask
-from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.moe import MoE
 from titanlite.models.common.rope import apply_rope
 from titanlite.models.llama3.model import Transformer, TransformerBlock
@@ -64,8 +63,7 @@ class Llama4Transformer(Transformer):
     """Llama's transformer with Llama 4's blocks; each forward builds both masks once for all blocks."""
 
     def make_block(self, layer_id: int, args: Llama4Args) -> TransformerBlock:
-        feed_forward = MoE(args) if args.is_moe(layer_id) else FeedForward(args.dim, args.ffn_hidden_dim, args.fused_projections)
-        return TransformerBlock(layer_id, args, feed_forward, Llama4Attention(args, layer_id))
+        return TransformerBlock(layer_id, args, MoE(args) if args.is_moe(layer_id) else None, Llama4Attention(args, layer_id))
 
     def position_inputs(self, positions: torch.Tensor | None, document_ids: torch.Tensor | None, seq_len: int) -> tuple:
         rope, full = super().position_inputs(positions, document_ids, seq_len)
