@@ -109,6 +109,8 @@ CASES_8 = {
 MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
 MOE_SIGMOID_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe_sigmoid", "--model.moe_aux_loss_coeff", "0.01"]
 EP, ETP = "--parallelism.expert_parallel_degree", "--parallelism.expert_tensor_parallel_degree"
+# Qwen's global-batch balance loss: its expert counts span every rank that routes the forward's tokens.
+MOE_GLOBAL_AUX = MOE + ["--model.moe_aux_loss_coeff", "0.1", "--model.moe_aux_loss_type", "global_batch"]
 # Mixture of experts (with a shared expert; or sigmoid routing without one, plus the aux loss): the
 # experts split over ranks borrowed from dp_shard and cp, composed with FSDP, HSDP, CP, PP and AC.
 CASES_MOE_2 = {
@@ -132,6 +134,9 @@ CASES_MOE_2 = {
     # Expert tensor parallel: each expert's hidden dim split over tp.
     "moe_tp2_etp2_loop": MOE + [TP, "2", ETP, "2", "--model.moe_grouped_mm", "false"],
     "free_moe_ep2": MOE + [EP, "2"],
+    "moe_fsdp2_global_aux": MOE_GLOBAL_AUX,
+    "moe_cp2_ep2_global_aux": MOE_GLOBAL_AUX + [CP, "2", EP, "2"],
+    "moe_tp2_global_aux": MOE_GLOBAL_AUX + [TP, "2"],
 }
 CASES_MOE_4 = {
     "moe_ep2_fsdp2": MOE + [EP, "2"],
@@ -148,6 +153,7 @@ CASES_MOE_4 = {
     "moe_ep4_tp2_float8": MOE + F8 + [EP, "4", TP, "2", "--quantize.linear.float8.filter_fqns", "output,shared_experts"],
     "moe_pp2_ep2_tp2": MOE + PP + [EP, "2", TP, "2"],
     "moe_cp2_tp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", TP, "2", EP, "4"],
+    "moe_cp2_tp2_ep4_global_aux": MOE_GLOBAL_AUX + [CP, "2", TP, "2", EP, "4"],
 }
 
 BC = ["--model.attn_mask_type", "block_causal"]

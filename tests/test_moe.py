@@ -117,7 +117,7 @@ def test_sequence_aux_loss_follows_deepseek_v3_and_trains_the_router():
     coeff, bsz, seq = 0.1, 2, 6
     layer = tiny_moe(aux_loss_coeff=coeff)
     x = torch.randn(bsz, seq, 16)
-    set_batch([layer], bsz, seq)
+    set_batch([layer], bsz, seq, 1)
     layer(x).sum().backward()
     grad_with = layer.router.gate.weight.grad.clone()
     # By hand: per sequence, sum_i f_i * P_i with f_i = E / (k S) * count_i and P_i the mean normalized

@@ -129,7 +129,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     reference = trainer.plan.build(replace(trainer.model_parts[0].args, fused_projections=False))
     reference.init_weights(trainer.seed)
     ref_moe = trainer.plan.moe_layers(reference)
-    set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len)
+    set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len, 1)
     if config.float8:
         convert_to_float8(reference, float8_recipe(config.float8), trainer.converters[0].filter_fqns(trainer.plan), config.float8.emulate)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently

@@ -29,7 +29,7 @@ from titanlite.loss import IGNORED, cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
 from titanlite.models.common.attention import document_layout
-from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
+from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
@@ -114,6 +114,8 @@ class Trainer:
             if config.model.print_after_conversion and dist.get_rank() == 0:
                 print(part, flush=True)
         self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
+        if self.moe_layers and device.type != "meta":
+            log_line(configure_experts([layer.experts for layer in self.moe_layers], args.use_grouped_mm, device))
         self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
         # Multi-token prediction (DeepSeek-V3): its depths and the weight of their mean loss.
         self.mtp_depth, self.mtp_loss_weight = getattr(args, "mtp_depth", 0), getattr(args, "mtp_loss_weight", 0.0)
@@ -152,7 +154,9 @@ class Trainer:
         self.batch_group, self.loss_group = batch_mesh.get_group(), self.dims.get_mesh("loss").get_group()
         self.routing_group = self.dims.get_mesh("routing").get_group()  # MoE token counts: tp ranks route their own
         self.accumulation_steps = self.dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
-        set_batch(self.moe_layers, self.accumulation_steps * t.local_batch_size * self.dp_degree, t.seq_len)
+        pipeline_forwards = t.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size if self.dims.pp_enabled else 1
+        set_batch(self.moe_layers, self.accumulation_steps * t.local_batch_size * self.dp_degree, t.seq_len,
+                  self.accumulation_steps * pipeline_forwards)
         self.dataloader = build_dataloader(config, self.tokenizer, self.dp_rank, self.dp_degree)
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.metrics = MetricsLogger(

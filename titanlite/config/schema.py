@@ -96,8 +96,10 @@ class Model:
         None, "MoE expert-bias update per step (auxiliary-loss-free balancing); 0 = off; none = the flavor's", extension=True
     )
     moe_aux_loss_coeff: float | None = opt(
-        None, "MoE sequence-wise balance loss coefficient; 0 = off; none = the flavor's", extension=True
+        None, "MoE balance loss coefficient; 0 = off; none = the flavor's", extension=True
     )
+    moe_aux_loss_type: str | None = opt(None, "MoE balance loss: sequence (DeepSeek-V3's, per sequence, summed over layers) or global_batch (Qwen's, over each forward's tokens on every data rank, averaged over layers); none = the flavor's",
+                                        choices=(None, "sequence", "global_batch"), extension=True)
     attn_mask_type: str | None = opt(
         None,
         "attention mask: 'causal' over the whole packed window, or 'block_causal' within each document (documents "

@@ -50,6 +50,7 @@ def model_args(name: str, flavor: str, vocab_size: int, seq_len: int, n_layers: 
             use_grouped_mm=m.moe_grouped_mm,
             load_balance_coeff=args.load_balance_coeff if m.moe_load_balance_coeff is None else m.moe_load_balance_coeff,
             aux_loss_coeff=args.aux_loss_coeff if m.moe_aux_loss_coeff is None else m.moe_aux_loss_coeff,
+            aux_loss_type=m.moe_aux_loss_type or args.aux_loss_type,
         )
     return args
 

@@ -132,16 +132,22 @@ class RingAttention(CoreAttention):
         return out
 
 
-def share_sequence_counts(model: nn.Module, plan, sequence_mesh: DeviceMesh) -> None:
+def share_expert_counts(model: nn.Module, plan, sequence_mesh: DeviceMesh | None, routing_mesh: DeviceMesh | None) -> None:
     """Each cp rank (and under sequence parallel each tp rank, in a MoE layer) holds part of every
-    sequence: the MoE layers' per-sequence expert counts (the sequence-wise aux loss) are summed
-    over them before use."""
-    group = sequence_mesh.get_group()
+    sequence, and every routing rank part of each forward's tokens: the MoE layers' per-sequence
+    expert counts (the sequence-wise aux loss) are summed over the first, the per-forward counts
+    (the global-batch aux loss) over the second, before use."""
+    for layer in plan.moe_layers(model):
+        layer.reduce_sequence_counts = summed_over(sequence_mesh) if sequence_mesh else None
+        layer.reduce_batch_counts = summed_over(routing_mesh) if routing_mesh else None
+
+
+def summed_over(mesh: DeviceMesh):
+    group = mesh.get_group()
 
     def summed(counts: torch.Tensor) -> torch.Tensor:
         counts = counts.clone()
         torch.distributed.all_reduce(counts, group=group)
         return counts
 
-    for layer in plan.moe_layers(model):
-        layer.reduce_sequence_counts = summed
+    return summed

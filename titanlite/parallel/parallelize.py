@@ -19,7 +19,7 @@ from titanlite.config import JobConfig, float8_recipe
 from titanlite.errors import ConfigError
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
-from titanlite.parallel.context import apply_cp, share_sequence_counts
+from titanlite.parallel.context import apply_cp, share_expert_counts
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
@@ -71,8 +71,10 @@ def parallelize(
         apply_ep(model, plan, dims.get_mesh(mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]))
     if dims.cp_enabled:
         apply_cp(model, dims.get_mesh("cp"), p.context_parallel_rotate_method)
-    if dims.cp_enabled or dims.tp_enabled:
-        share_sequence_counts(model, plan, dims.get_mesh("sequence"))
+    if plan.moe_layers(model):
+        routing = dims.get_mesh("routing")
+        sequence = dims.get_mesh("sequence") if dims.cp_enabled or dims.tp_enabled else None
+        share_expert_counts(model, plan, sequence, routing if routing.size() > 1 else None)
 
     ac = config.activation_checkpoint
     if ac.mode != "none":

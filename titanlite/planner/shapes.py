@@ -122,9 +122,7 @@ def moe_blocks_among(model: ModelArgs, layers: range) -> int:
 @lru_cache(maxsize=256)
 def moe_layers(model: ModelArgs) -> int:
     """MoE blocks, multi-token prediction's (a MoE block each) included."""
-    if not isinstance(model, MoEArgs):
-        return 0
-    return sum(model.is_moe(i) for i in range(model.n_layers)) + mtp_depth(model)
+    return model.moe_layer_count if isinstance(model, MoEArgs) else 0
 
 
 def moe_share(model: ModelArgs) -> float:

@@ -131,7 +131,10 @@ class MoEArgs(ModelArgs):
     # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step the expert bias (added to
     # the scores for choosing, never for weighting) moves by this much towards balance. 0: off.
     load_balance_coeff: float = 1e-3
-    aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss; 0: off
+    aux_loss_coeff: float = 0.0  # the balance loss's coefficient; 0: off
+    # "sequence": DeepSeek-V3's, per sequence and summed over layers; "global_batch": Qwen's, over each
+    # forward's tokens on all data ranks (transformers' load_balancing_loss_func per layer), averaged over layers.
+    aux_loss_type: str = "sequence"
     use_grouped_mm: bool = True  # torch._grouped_mm for the experts (False: an exact loop over experts)
     score_before_experts: bool = False  # the routing weight scales each token's input to its expert (Llama 4), not its output
 
@@ -141,6 +144,10 @@ class MoEArgs(ModelArgs):
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.n_dense_layers
+
+    @property
+    def moe_layer_count(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
 
     def feed_forward_params(self, layer: int, active: bool = False) -> int:
         if not self.is_moe(layer):
@@ -154,7 +161,7 @@ SET_ELSEWHERE = {
     "max_seq_len": "training.seq_len", "n_layers": "model.n_layers", "vocab_size": "model.hf_assets_path (the tokenizer)",
     "attn_mask_type": "model.attn_mask_type", "attn_type": "model.attn_type", "fused_projections": "model.fused_projections",
     "use_grouped_mm": "model.moe_grouped_mm", "load_balance_coeff": "model.moe_load_balance_coeff",
-    "aux_loss_coeff": "model.moe_aux_loss_coeff",
+    "aux_loss_coeff": "model.moe_aux_loss_coeff", "aux_loss_type": "model.moe_aux_loss_type",
 }
 
 

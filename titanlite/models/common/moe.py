@@ -47,8 +47,9 @@ class Router(nn.Module):
         self.n_group, self.topk_group = args.n_group, args.topk_group
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (tokens, dim) -> (weights (tokens, k), chosen experts (tokens, k), scores (tokens, experts))."""
-        logits = self.gate(x).float()
+        """x: (tokens, dim) -> (weights (tokens, k), chosen experts (tokens, k), scores (tokens, experts)), in fp32.
+        The gate runs in fp32 whatever the activations' dtype: bf16 logits change some tokens' top-k."""
+        logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         chosen = self.within_best_groups(scores + expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
@@ -71,20 +72,52 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts as one (experts, out, in) weight per projection (each expert's an
     nn.Linear weight, as Hugging Face stores them). Takes the tokens grouped by expert and each
-    expert's count; returns their outputs in the same order."""
+    expert's count; returns their outputs in the same order.
+
+    `kernel` ("grouped": `torch._grouped_mm`; "loop": one matmul chain per expert, exact) and
+    `compute_dtype` (None: the activations') are set for the device by `choose_expert_kernel`."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool):
         super().__init__()
-        self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
+        self.num_experts = num_experts
+        self.kernel, self.compute_dtype = ("grouped" if use_grouped_mm else "loop"), None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype or x.dtype
         # (experts, in, out) views, column-major: the layout CUDA's grouped GEMM takes its second operand in.
-        w1, w2, w3 = (local_shard(w).to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
-        run = grouped_swiglu if self.use_grouped_mm else looped_swiglu
-        return run(x, counts, w1, w2, w3)
+        w1, w2, w3 = (local_shard(w).to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+        if self.kernel == "loop":
+            return looped_swiglu(x.to(dtype), counts, w1, w2, w3).to(x.dtype)
+        return grouped_swiglu(x.to(dtype), counts, w1, w2, w3).to(x.dtype)
+
+
+def choose_expert_kernel(use_grouped_mm: bool, device_type: str, capability: tuple[int, int] | None) -> tuple[str, torch.dtype | None, str]:
+    """(kernel, compute dtype or None for the activations', why) for the routed experts on a device.
+    CUDA's fast grouped GEMM takes bf16 on SM90 and later (TorchTitan runs its experts in bf16 too);
+    elsewhere on CUDA torch's fallback loops over groups and reads their offsets on the host, so the
+    exact loop over experts runs instead. CPU's grouped GEMM takes any dtype."""
+    if not use_grouped_mm:
+        return "loop", None, "model.moe_grouped_mm=false: the routed experts run as a loop over experts"
+    if device_type != "cuda":
+        return "grouped", None, f"the routed experts run torch._grouped_mm on {device_type} in the activations' dtype"
+    if capability is not None and capability >= (9, 0):
+        return "grouped", torch.bfloat16, "the routed experts run torch._grouped_mm in bfloat16"
+    return "loop", None, (
+        f"torch._grouped_mm's fast kernel needs SM90 or later (this GPU: sm_{''.join(map(str, capability or ()))}): "
+        "the routed experts run as an exact loop over experts"
+    )
+
+
+def configure_experts(modules: list[GroupedExperts], use_grouped_mm: bool, device: torch.device) -> str:
+    """Sets each expert module's kernel for the device; returns the line for the log."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    kernel, dtype, why = choose_expert_kernel(use_grouped_mm, device.type, capability)
+    for module in modules:
+        module.kernel, module.compute_dtype = kernel, dtype
+    return why
 
 
 def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
@@ -95,16 +128,14 @@ def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])
 
 
-# CUDA's grouped GEMM wants every group's rows aligned (16 covers bf16 and float8); the CPU kernel does not.
-CUDA_ROW_ALIGNMENT = 16
+# Float8 grouped GEMMs want each group's rows aligned to 16; bf16 and fp32 ones take any group size.
+FLOAT8_ROW_ALIGNMENT = 16
 
 
-def grouped_swiglu(x, counts, w1, w2, w3, align: int | None = None) -> torch.Tensor:
+def grouped_swiglu(x, counts, w1, w2, w3, align: int = 1) -> torch.Tensor:
     """All experts in three `torch._grouped_mm` calls (weights (experts, in, out)), groups delimited
-    by cumulative counts. Each
-    group is padded with zero rows to `align` rows (default: CUDA's alignment on CUDA, none on CPU)
+    by cumulative counts. With `align` > 1 each group is padded with zero rows to a multiple of it,
     into a buffer of a size fixed by the shapes, so no host sync; padded rows are dropped from the output."""
-    align = align or (CUDA_ROW_ALIGNMENT if x.is_cuda else 1)
     if align > 1:
         padded = (counts + align - 1) // align * align
         shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # rows of padding before each group
@@ -138,7 +169,8 @@ class MoE(nn.Module):
     def __init__(self, args: MoEArgs):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
-        self.load_balance_coeff, self.aux_loss_coeff = args.load_balance_coeff, args.aux_loss_coeff
+        self.load_balance_coeff, self.aux_loss_coeff, self.aux_loss_type = args.load_balance_coeff, args.aux_loss_coeff, args.aux_loss_type
+        self.moe_layer_count = args.moe_layer_count  # the global-batch loss is a mean over the model's MoE layers
         self.score_before_experts = args.score_before_experts
         self.router = Router(args)
         self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
@@ -148,11 +180,12 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
-        # Set by the trainer: the aux loss is a mean over the step's sequences, and `sequence_len` is
-        # the full sequence length (a rank may hold a shard of it).
+        # Set by the trainer: the aux loss is a mean over the step's sequences (or forwards, for the
+        # global-batch loss), and `sequence_len` is the full sequence length (a rank may hold a shard of it).
         self.aux_loss_scale, self.sequence_len = 1.0, 0
-        # parallelize sets this where a sequence is split over ranks (context / sequence parallel).
-        self.reduce_sequence_counts = None
+        # parallelize sets these: sums of expert counts over the ranks that hold parts of the same
+        # sequences (context / sequence parallel), and over all ranks that route this forward's tokens.
+        self.reduce_sequence_counts = self.reduce_batch_counts = None
 
     def reset_state(self) -> None:
         """Zero state in fp32 whatever the parameters' dtype (training.dtype = bfloat16 casts the whole
@@ -172,17 +205,26 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts
         # Token copies sorted by expert (stable: a token's copies keep their order), through the experts, back.
         order = choices.argsort(stable=True)
-        token = order // self.top_k
-        token_weights = weights.flatten()[order].unsqueeze(-1).to(flat.dtype)
+        copies = flat[order // self.top_k]
         if self.score_before_experts:
-            routed = self.experts(flat[token] * token_weights, counts)
-        else:
-            routed = self.experts(flat[token], counts) * token_weights
-        out = torch.zeros_like(flat).index_add(0, token, routed)
+            copies = (copies.float() * weights.flatten()[order].unsqueeze(-1)).to(flat.dtype)
+        routed = self.experts(copies, counts)
+        # Back in token order (a permutation), then each token's k outputs weighted in fp32 and summed in a
+        # fixed order: no scatter-add, whose atomics on CUDA sum in any order.
+        by_token = routed[order.argsort()].view(-1, self.top_k, dim).float()
+        if not self.score_before_experts:
+            by_token = by_token * weights.unsqueeze(-1)
+        out = by_token.sum(dim=1).to(flat.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.aux_loss_coeff and self.training:
-            out = _AttachAuxLoss.apply(out, self.sequence_aux_loss(scores, chosen, bsz, seqlen))
+            if self.aux_loss_type == "global_batch":
+                aux = self.global_batch_aux_loss(scores, counts)
+            else:
+                aux = self.sequence_aux_loss(scores, chosen, bsz, seqlen)
+            if outside_backward():
+                self.aux_loss_sum += aux.detach()
+            out = _AttachAuxLoss.apply(out, aux)
         return out.view(bsz, seqlen, dim)
 
     def sequence_aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, bsz: int, seqlen: int) -> torch.Tensor:
@@ -197,10 +239,21 @@ class MoE(nn.Module):
             counts = self.reduce_sequence_counts(counts)
         share = counts * self.num_experts / (self.top_k * seq_len)
         normalized = (scores / scores.sum(dim=-1, keepdim=True)).view(bsz, seqlen, -1)
-        aux = self.aux_loss_coeff * (share * normalized.sum(dim=1) / seq_len).sum() * self.aux_loss_scale
-        if outside_backward():
-            self.aux_loss_sum += aux.detach()
-        return aux
+        return self.aux_loss_coeff * (share * normalized.sum(dim=1) / seq_len).sum() * self.aux_loss_scale
+
+    def global_batch_aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Qwen's global-batch balance loss, as transformers' load_balancing_loss_func for one layer:
+        aux_loss_coeff * E * sum_i f_i P_i over this forward's tokens on every routing rank, f_i the
+        share of tokens choosing expert i (a token's k choices each count), P_i its mean normalized
+        score; a mean over the model's MoE layers and the step's forwards. The counts are summed over
+        the ranks; each rank adds its own tokens' scores, so the ranks' parts sum to the loss."""
+        counts = counts.float()
+        if self.reduce_batch_counts is not None:
+            counts = self.reduce_batch_counts(counts)
+        tokens = counts.sum() / self.top_k
+        score_sums = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=0)
+        scale = self.aux_loss_coeff * self.num_experts * self.aux_loss_scale / self.moe_layer_count
+        return scale * (counts * score_sums).sum() / tokens**2
 
 
 # ---- load balancing (called by the trainer around the optimizer step) ----
@@ -215,11 +268,13 @@ def experts(model: nn.Module) -> list[nn.Module]:
     return [m.experts for m in moe_layers(model)]
 
 
-def set_batch(layers: list[MoE], sequences_per_step: int, seq_len: int) -> None:
-    """The aux loss of each step is the mean over its `sequences_per_step` sequences (all ranks, all
-    microbatches) of `seq_len` tokens."""
+def set_batch(layers: list[MoE], sequences_per_step: int, seq_len: int, forwards_per_step: int) -> None:
+    """The sequence-wise aux loss of each step is the mean over its `sequences_per_step` sequences
+    (all ranks, all microbatches) of `seq_len` tokens; the global-batch one the mean over its
+    `forwards_per_step` forwards (microbatches of accumulation and of the pipeline schedule)."""
     for layer in layers:
-        layer.aux_loss_scale, layer.sequence_len = 1.0 / sequences_per_step, seq_len
+        per = sequences_per_step if layer.aux_loss_type == "sequence" else forwards_per_step
+        layer.aux_loss_scale, layer.sequence_len = 1.0 / per, seq_len
 
 
 @torch.no_grad()

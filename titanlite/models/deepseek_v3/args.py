@@ -47,6 +47,10 @@ class DeepSeekV3Args(MoEArgs):
     mtp_loss_weight: float = 0.1
 
     @property
+    def moe_layer_count(self) -> int:
+        return super().moe_layer_count + self.mtp_depth  # a MoE block per depth
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 

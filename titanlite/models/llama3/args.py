@@ -47,7 +47,7 @@ def check_llama3(args: ModelArgs, dims) -> None:
     check_heads(args, dims.tp)
 
 
-EXPERT_KEYS = ("moe_grouped_mm", "moe_load_balance_coeff", "moe_aux_loss_coeff")
+EXPERT_KEYS = ("moe_grouped_mm", "moe_load_balance_coeff", "moe_aux_loss_coeff", "moe_aux_loss_type")
 
 
 def check_config(model, args: ModelArgs) -> None:

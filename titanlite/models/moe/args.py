@@ -6,8 +6,7 @@ from titanlite.errors import ConfigError
 from titanlite.models.common.args import MoEArgs, check_heads
 
 # Published shapes. Qwen3-MoE: GQA with q/k head norms, softmax top-8 of 128 experts renormalized, no
-# shared experts, balanced by an aux loss (coefficient 0.001) and no expert bias (Qwen's config.json;
-# Qwen's loss is global-batch, ours sequence-wise). DeepSeek-MoE 16B: standard multi-head attention, 64 routed
+# shared experts, balanced by Qwen's global-batch aux loss (coefficient 0.001) and no expert bias (Qwen's config.json). DeepSeek-MoE 16B: standard multi-head attention, 64 routed
 # experts (top 6) + 2 shared, the first block dense (DeepSeek's config.json; not DeepSeek-V3, whose
 # attention is MLA).
 MOE_FLAVORS = {
@@ -31,13 +30,13 @@ MOE_FLAVORS = {
     "qwen3_30b_a3b": MoEArgs(
         dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
         norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=768,
-        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
+        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001, aux_loss_type="global_batch",
         dense_hidden_dim=6144,  # config.json's intermediate_size (no block is dense)
     ),
     "qwen3_235b_a22b": MoEArgs(
         dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim_override=128, qk_norm=True, vocab_size=151936,
         norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False, num_experts=128, top_k=8, moe_hidden_dim=1536,
-        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001,
+        route_norm=True, max_seq_len=40960, load_balance_coeff=0.0, aux_loss_coeff=0.001, aux_loss_type="global_batch",
         dense_hidden_dim=12288,  # config.json's intermediate_size (no block is dense)
     ),
     "deepseek_moe_16b": MoEArgs(
