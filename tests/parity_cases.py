@@ -154,6 +154,8 @@ CASES_MOE_4 = {
     "moe_pp2_ep2_tp2": MOE + PP + [EP, "2", TP, "2"],
     "moe_cp2_tp2_ep4_aux": MOE_SIGMOID_AUX + [CP, "2", TP, "2", EP, "4"],
     "moe_cp2_tp2_ep4_global_aux": MOE_GLOBAL_AUX + [CP, "2", TP, "2", EP, "4"],
+    # One expert per EP rank, FSDP-sharded over 2 ranks: along dim 1.
+    "moe_ep2_fsdp2_experts_dim1": MOE + [EP, "2", "--model.flavor_overrides", "num_experts=2"],
 }
 
 BC = ["--model.attn_mask_type", "block_causal"]

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor, Shard
 
 
 def apply_fsdp(
@@ -40,17 +41,26 @@ def apply_fsdp(
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
+    expert_params = {p for experts in plan.experts(model) for p in experts.parameters()}
     for module in _present(model, plan.head):
         fully_shard(module, reshard_after_forward=reshard_after_forward, **shard)
     tail = _present(model, plan.tail)
+    inner = []  # units inside blocks: split experts, MoE layers under TP
     for module in [*getattr(model, plan.blocks).values(), *tail]:  # MoE layers sit in blocks (and a tail's blocks)
         for mesh, units in ((expert_mesh, plan.experts), (moe_mesh, plan.moe_layers)):
             if mesh is not None:
                 for unit in units(module):
-                    fully_shard(unit, reshard_after_forward=reshard_after_forward, **(shard | {"mesh": mesh}))
+                    placement = experts_placement(expert_params, mesh)
+                    fully_shard(unit, reshard_after_forward=reshard_after_forward, shard_placement_fn=placement, **(shard | {"mesh": mesh}))
+                    inner.append(unit)
     elsewhere = [getattr(parent, name) for parent, name in plan.blocks_elsewhere(model)]  # in the tail (MTP's)
-    for block in [*getattr(model, plan.blocks).values(), *elsewhere]:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
+    blocks = [*getattr(model, plan.blocks).values(), *elsewhere]
+    nested = {}  # block -> the units inside it
+    for unit in inner:
+        nested.setdefault(next(b for b in blocks if any(m is unit for m in b.modules())), []).append(unit)
+    for block in blocks:
+        placement = experts_placement(expert_params, dp_mesh)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, shard_placement_fn=placement, **shard)
     # The tail (the output) is used again right at the start of backward: by default keep it gathered.
     if tail:
         fully_shard(tail, reshard_after_forward=reshard_output_after_forward, **shard)
@@ -58,9 +68,15 @@ def apply_fsdp(
     # Each unit starts the next one's all-gather as soon as its own is in: otherwise that gather would
     # start at the next unit's forward. On a GPU the CPU runs ahead of the kernels and it still overlaps;
     # on a CPU the thread that computes a block is the one that would start the gather, so nothing would.
+    # A block's own units (experts) come along with it: otherwise they gather at their own forward,
+    # right behind expert parallel's host read of the split sizes.
     units = [*_present(model, plan.head), *getattr(model, plan.blocks).values(), *([tail[0]] if tail else []), *elsewhere]
-    for unit, following in zip(units, units[1:]):
-        unit.set_modules_to_forward_prefetch([following])
+    for i, unit in enumerate(units):
+        ahead = nested.get(unit, []) if i == 0 else []  # a first unit's own: no unit before it starts them
+        if i + 1 < len(units):
+            ahead = ahead + [units[i + 1], *nested.get(units[i + 1], [])]
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
     gloo_reduce_scatter = AllToAllReduceScatter() if dist.get_backend(dp_mesh.get_group(-1)) == "gloo" else None
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -87,6 +103,22 @@ class AllToAllReduceScatter(ReduceScatter):
         received = torch.empty(group.size(), output_tensor.numel(), dtype=input_tensor.dtype, device=input_tensor.device)
         dist.all_to_all_single(received, input_tensor.view(group.size(), -1), group=group)
         torch.sum(received, dim=0, out=output_tensor)
+
+
+def experts_placement(expert_params: set, mesh: DeviceMesh):
+    """FSDP's shard dim for a unit's parameters: dim 0, but for routed experts with fewer experts
+    (dim 0) than ranks to shard them over, dim 1 (TorchTitan's rule): dim 0 would pad every rank to
+    a whole expert (at 128 experts on 256 ranks, twice the memory and all-gather bytes)."""
+    ranks = mesh.size(-1)
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        taken = {pl.dim for pl in getattr(param, "placements", ()) if isinstance(pl, Shard)}
+        if param in expert_params and local.shape[0] < ranks and 1 not in taken:
+            return Shard(1)
+        return Shard(0)
+
+    return placement
 
 
 def _present(model: nn.Module, names) -> list[nn.Module]:

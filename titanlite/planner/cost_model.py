@@ -25,8 +25,8 @@ round's attention; the all-gather CP's in full), HSDP's and ZeRO-1's gradient ex
 overlaps, and for MoE models expert parallel's all-to-alls (titanlite's not overlapped).
 
 Mixture of experts, in the MoE blocks (the args' is_moe): FLOPs count the active parameters (a
-token's top-k experts); the routed experts are split over ep x efsdp (= dp_shard x cp x tp) but as
-FSDP2 shards them, whole along their first dim (no more ranks than experts share them), and gathered
+token's top-k experts); the routed experts are split over ep x efsdp (= dp_shard x cp x tp) as
+FSDP2 shards them (whole experts along dim 0, or along dim 1 where the ranks outnumber them), and gathered
 by FSDP over efsdp only, so a rank's working copy holds experts / ep of them (expert TP degree 1:
 experts whole, each expert's GEMM as large as the copies routed to it; float8 covers the dense
 linears, and the routed experts only under Megatron's grouped GEMMs); the MoE layer routes each tp
@@ -203,10 +203,11 @@ def estimate(
     dense = params - expert_part
     edp = L.dp_replicate * fsdp * L.tp // L.ep
     efsdp = max(1, fsdp * L.tp // L.ep)  # the ranks FSDP shards each routed expert over (ZeRO-1: none)
-    # FSDP2 shards a weight along its first dim, the experts': ceil(local experts / efsdp) whole experts
-    # on the first ranks, and none on the last where the ranks outnumber the experts.
+    # FSDP2 shards the experts along their first dim, ceil(local experts / efsdp) whole experts on the
+    # first ranks; where the ranks outnumber the experts, along dim 1, evenly (parallel/fsdp.py).
     local_experts = model.num_experts // L.ep if expert_part else 1
-    expert_shard = -(-local_experts // efsdp) / local_experts  # the share of its EP rank's experts a rank holds, at most
+    # The share of its EP rank's experts a rank holds, at most.
+    expert_shard = 1 / efsdp if efsdp > local_experts else -(-local_experts // efsdp) / local_experts
     est = Estimate(L, gpu, capacity=gpu.hbm_bytes, peak=gpu.bf16_flops)
 
     # Memory. ZeRO-1: bf16 weights and fp32 gradients whole, the fp32 master weights and Adam's
