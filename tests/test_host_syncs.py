@@ -20,7 +20,8 @@ name, each an exact count per step, microbatch or MoE layer, so one more read fa
   batch_to_device  2 per microbatch: the loop moves its inputs and labels to the device (host ->
                    device on a GPU; on CPU a `.to(cpu)` like any other).
   ep_split_sizes   1 per MoE layer and microbatch: expert parallel's all-to-all needs each rank's token
-                   counts on the host to size its buffers (dropless routing; TorchTitan's reads them too).
+                   counts on the host to size its buffers (dropless routing; TorchTitan's reads them too),
+                   and expert TP's all-gather its tp ranks' counts: one read for both.
   moe_finite_flag  1 per step: the MoE bias update moves the finite flag to the counts' device (the
                    same device on a GPU).
   mesh_rank_grid   3 per step under context parallel: `get_mesh("cp")` slices the world mesh each step,
@@ -54,7 +55,7 @@ class Allowance:
 
 ALLOWANCES = {
     "batch_to_device": Allowance("titanlite/trainer.py", ("Trainer.next_microbatches",), "microbatch"),
-    "ep_split_sizes": Allowance("titanlite/parallel/expert.py", ("exchange_over_ep",), "moe layer"),
+    "ep_split_sizes": Allowance("titanlite/parallel/expert.py", ("ExpertParallel._dispatch",), "moe layer"),
     "moe_finite_flag": Allowance("titanlite/trainer.py", ("Trainer.balance_experts",), "step"),
     "mesh_rank_grid": Allowance(
         "torch/distributed/device_mesh.py", ("DeviceMesh.__init__", "DeviceMesh._compute_coordinates_from_mesh"), "step"
@@ -104,6 +105,11 @@ FULL_CASES = {
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"], {"mesh_rank_grid": 3}),
     "moe_ep2": (2, [*MOE, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"],
                 {"ep_split_sizes": 1, "moe_finite_flag": 1}),
+    # Expert TP, and the global-batch aux loss, whose counts are summed over the ranks on the device.
+    "moe_ep2_tp2_etp2": (4, [*MOE, "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                             "--parallelism.expert_tensor_parallel_degree", "2", "--model.moe_aux_loss_coeff", "0.01",
+                             "--model.moe_aux_loss_type", "global_batch"],
+                         {"ep_split_sizes": 1, "moe_finite_flag": 1}),
 }
 
 

@@ -9,9 +9,10 @@ the full tensors and load on any EP degree. Around each forward:
   dispatch  each rank sends its tokens' per-expert counts (all-to-all), then the tokens themselves
             (all-to-all with those variable splits), and groups what it received by local expert;
   combine   the outputs go back the same way, in reverse.
-Both all-to-alls are differentiable (backward is the reverse exchange), and they are plain
+With expert TP the tp ranks then all-gather their tokens and reduce-scatter the partial outputs.
+Every exchange is differentiable (backward is the reverse exchange), and they are plain
 torch.distributed collectives, so they run on gloo. The split sizes must reach the host: dispatch
-costs one device-to-host copy per layer (two with expert TP), as in TorchTitan and Megatron.
+costs one device-to-host read per layer (expert TP's sizes included), as in TorchTitan and Megatron.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class ExpertParallel(ParallelStyle):
 
     On a mesh with an "ep" dim the experts are split over it (Shard(0)) and tokens travel to their
     expert's rank. On one with a "tp" dim each expert's hidden dim is split over it (`hidden_dims`:
-    parameter name -> that dim): every tp rank then runs its slice of the local experts on the
-    tokens of all tp ranks (gathered by all-to-all, since each tp rank routed its own sequence
-    shard), and the partial outputs go back to their tp rank, which sums them.
+    parameter name -> that dim): the tp ranks all-gather their tokens for the local experts (each
+    routed its own sequence shard), every tp rank runs its slice of the experts on all of them,
+    and a reduce-scatter sums the partial outputs, each tp rank keeping its own tokens'. The
+    token counts of both exchanges reach the host in one read.
     """
 
     def __init__(self, hidden_dims: dict[str, int] | None = None):
@@ -84,22 +86,35 @@ class ExpertParallel(ParallelStyle):
 
     def _dispatch(self, module: nn.Module, inputs, mesh: DeviceMesh):
         tokens, counts = inputs
+        ep_ranks = self.ep.size() if self.ep else 1
+        # received[src, e]: tokens EP rank src sends to this rank's local expert e.
+        received = exchange_counts(counts, self.ep.get_group(), ep_ranks) if self.ep else counts.view(1, -1)
+        # tp_counts[t, e]: tokens tp rank t holds (after EP) for local expert e.
+        tp_counts = gather_counts(received.sum(dim=0), self.tp.get_group(), self.tp.size()) if self.tp else None
+        sizes = [counts.view(ep_ranks, -1).sum(dim=1), received.sum(dim=1)] + ([tp_counts.sum(dim=1)] if self.tp else [])
+        sizes = torch.cat(sizes).tolist()  # the one host read: every buffer size of both exchanges
+        send, receive, tp_rows = sizes[:ep_ranks], sizes[ep_ranks:2 * ep_ranks], sizes[2 * ep_ranks:]
         ep_state = tp_state = None
         if self.ep:
-            tokens, counts, ep_state = exchange_over_ep(tokens, counts, self.ep.get_group(), self.ep.size())
+            arrived = _AllToAll.apply(tokens, receive, send, self.ep.get_group())
+            # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
+            ep_order = segment_order(received, sum(receive))
+            tokens, counts, ep_state = arrived[ep_order], received.sum(dim=0), (ep_order, receive, send)
         if self.tp:
-            tokens, counts, tp_state = gather_over_tp(tokens, counts, self.tp.get_group(), self.tp.size())
+            gathered = _GatherRows.apply(tokens, tp_rows, self.tp.get_group())
+            tp_order = segment_order(tp_counts, sum(tp_rows))
+            tokens, counts, tp_state = gathered[tp_order], tp_counts.sum(dim=0), (tp_order, tp_rows)
         module._ep_state = (ep_state, tp_state)
         return tokens, counts
 
     def _combine(self, module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         ep_state, tp_state = module._ep_state
         if tp_state:
-            order, receive, rows, group, ranks = tp_state
-            outputs = _AllToAll.apply(by_source(outputs, order), [rows] * ranks, receive, group).view(ranks, rows, -1).sum(dim=0)
+            tp_order, tp_rows = tp_state
+            outputs = _SumRowsScatter.apply(by_source(outputs, tp_order), tp_rows, self.tp.get_group())
         if ep_state:
-            order, receive, send, group = ep_state
-            outputs = _AllToAll.apply(by_source(outputs, order), send, receive, group)
+            ep_order, receive, send = ep_state
+            outputs = _AllToAll.apply(by_source(outputs, ep_order), send, receive, self.ep.get_group())
         return outputs
 
 
@@ -108,30 +123,66 @@ def by_source(outputs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(outputs).index_copy(0, order, outputs)
 
 
-def exchange_over_ep(tokens: torch.Tensor, counts: torch.Tensor, group, ranks: int):
-    """Each token to the rank holding its expert: (tokens by local expert, counts per local expert, state)."""
-    # received[src, e]: tokens rank src sends to this rank's local expert e.
+def exchange_counts(counts: torch.Tensor, group, ranks: int) -> torch.Tensor:
+    """(source EP rank, local expert): how many tokens each rank sends to each of this rank's experts."""
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    received = received.view(ranks, -1)
-    sizes = torch.cat([counts.view(ranks, -1).sum(dim=1), received.sum(dim=1)]).tolist()  # one host sync
-    send, receive = sizes[:ranks], sizes[ranks:]
-    arrived = _AllToAll.apply(tokens, receive, send, group)
-    # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
-    order = segment_order(received, sum(receive))
-    return arrived[order], received.sum(dim=0), (order, receive, send, group)
+    return received.view(ranks, -1)
 
 
-def gather_over_tp(tokens: torch.Tensor, counts: torch.Tensor, group, ranks: int):
-    """Every tp rank's tokens for the local experts, grouped by expert (each rank sends all of its own
-    to every rank; backward sums the gradients its copies get back)."""
-    everyone = [torch.empty_like(counts) for _ in range(ranks)]
-    dist.all_gather(everyone, counts, group=group)
-    everyone = torch.stack(everyone)  # (tp source, local expert)
-    receive, rows = everyone.sum(dim=1).tolist(), tokens.shape[0]
-    arrived = _AllToAll.apply(tokens.repeat(ranks, 1), receive, [rows] * ranks, group)
-    order = segment_order(everyone, sum(receive))
-    return arrived[order], everyone.sum(dim=0), (order, receive, rows, group, ranks)
+def gather_counts(counts: torch.Tensor, group, ranks: int) -> torch.Tensor:
+    """(tp rank, local expert): every tp rank's token counts for the local experts."""
+    everyone = counts.new_empty(ranks * counts.numel())
+    dist.all_gather_into_tensor(everyone, counts.contiguous(), group=group)
+    return everyone.view(ranks, -1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows (`sizes[r]` on rank r), concatenated in rank order (an all-gather). Backward:
+    each rank's block of the gradient, summed over the ranks (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _gather(rows, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _sum_scatter(grad, ctx.sizes, ctx.group), None, None
+
+
+class _SumRowsScatter(torch.autograd.Function):
+    """The reverse: rows in rank blocks (`sizes`), summed over the ranks, each keeping its own block.
+    Backward: the all-gather."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _sum_scatter(rows, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.sizes, ctx.group), None, None
+
+
+def _padded(rows: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.cat([rows, rows.new_zeros(length - rows.shape[0], *rows.shape[1:])]) if length > rows.shape[0] else rows
+
+
+# Blocks of unequal sizes travel padded to the largest: the collectives take equal blocks.
+def _gather(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    longest = max(sizes)
+    out = rows.new_empty(len(sizes) * longest, *rows.shape[1:])
+    dist.all_gather_into_tensor(out, _padded(rows, longest).contiguous(), group=group)
+    return torch.cat([block[:n] for block, n in zip(out.split(longest), sizes)])
+
+
+def _sum_scatter(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    longest = max(sizes)
+    blocks = torch.cat([_padded(block, longest) for block in rows.split(sizes)])
+    out = rows.new_empty(longest, *rows.shape[1:])
+    dist.reduce_scatter_tensor(out, blocks.contiguous(), group=group)
+    return out[: sizes[dist.get_rank(group)]]
 
 
 def apply_ep(model: nn.Module, plan, mesh: DeviceMesh) -> None:
