@@ -156,6 +156,11 @@ CASES_MOE_4 = {
     "moe_cp2_tp2_ep4_global_aux": MOE_GLOBAL_AUX + [CP, "2", TP, "2", EP, "4"],
     # One expert per EP rank, FSDP-sharded over 2 ranks: along dim 1.
     "moe_ep2_fsdp2_experts_dim1": MOE + [EP, "2", "--model.flavor_overrides", "num_experts=2"],
+    # Recompute replays the exchanges of its forward (1F1B: one recompute per forward, in order); the
+    # split-backward schedules may recompute a block twice, so there it exchanges again.
+    "moe_pp2_ep2_ac_full": MOE_SIGMOID_AUX + PP + schedule("1F1B") + [EP, "2", "--activation_checkpoint.mode", "full"],
+    "moe_ep2_tp2_etp2_ac_op_global_aux": MOE_GLOBAL_AUX + [EP, "2", TP, "2", ETP, "2", "--activation_checkpoint.mode", "selective"],
+    "moe_pp2_ep2_zbv_ac_full": MOE_SIGMOID_AUX + PP + schedule("ZBVZeroBubble") + [EP, "2", "--activation_checkpoint.mode", "full"],
 }
 
 BC = ["--model.attn_mask_type", "block_causal"]
@@ -226,7 +231,7 @@ EXTENDED = {
     "free_pp2_zbvzerobubble", "cp2_alltoall_no_balance", "moe_ep2_loop", "moe_pp2_zbv_aux", "moe_pp2_interleaved_aux",
     "doc_fsdp2_float8", "doc_fsdp2_ac_selective_op",
     "ddp2_tp2", "pp2_fsdp2_interleaved1f1b", "fsdp2_tp2_float8_all_gather", "free_hsdp2x2", "cp4_allgather_no_balance",
-    "cp4_alltoall_no_balance", "moe_ep2_tp2_etp2_aux", "moe_cp2_tp2_etp2", "moe_pp2_ep2_tp2", "moe_cp2_tp2_ep4_aux",
+    "cp4_alltoall_no_balance", "moe_ep2_tp2_etp2_aux", "moe_ep2_tp2_etp2_ac_op_global_aux", "moe_pp2_ep2_zbv_ac_full", "moe_cp2_tp2_etp2", "moe_pp2_ep2_tp2", "moe_cp2_tp2_ep4_aux",
     "doc_cp2_fsdp2_compile", "pp2_gpipe", "tp2_ac_every_2nd_block", "moe_ep2_ac_full", "fsdp2_float8_rowwise",
     "cp2_allgather_no_balance", "moe_ep4_tp2_float8", "moe_hsdp2x2_ep2", "free_fsdp2_tp2", "moe_ep2_fsdp2_tp2",
     "fsdp2_tp2_compile_fused_projections", "moe_ep2_compile", "moe_cp2_ep4_aux", "moe_pp2_ep2_aux",

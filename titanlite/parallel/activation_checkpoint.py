@@ -4,16 +4,22 @@
   selective, option 'op'  per-op policy: keep the outputs of matmuls (a MoE's grouped ones too) and
                           attention (expensive to recompute), recompute the cheap elementwise ops and norms
   selective, option 'k'   fully checkpoint every k-th block (layer ids 0, k, 2k, ...)
+
+Recompute never communicates: what a checkpointed block's forward got from other ranks or read to
+the host (expert parallel's exchanges, MoE counts summed over ranks) is kept (`ForwardReplay`) and
+handed back when backward reruns that forward, as an op policy keeps the outputs it saves.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.parallel.document_ring import document_ring
 
@@ -32,14 +38,72 @@ SAVED_OPS = {
 }
 
 
+class ForwardReplay:
+    """Values a module's forward got by communicating, in order, kept for its recompute: `begin()` at
+    the forward's first exchange, then `replay(lambda: exchange(...))` for each. In the forward the
+    exchanges run and their results are recorded; in recompute (inside backward) they come back from
+    the record of the oldest forward not yet recomputed (backward takes microbatches in forward
+    order), and nothing is exchanged. Only inside checkpointed blocks (`active`, set by apply_ac)
+    and for forwards that record a graph; the lambdas must hold the exchange alone (their inputs'
+    local ops run in both, so recompute saves the same tensors as the forward)."""
+
+    def __init__(self):
+        self.active, self.records, self.recording, self.replaying = False, deque(), False, None
+
+    suspended = False  # exchanges_not_replayed
+
+    def begin(self) -> None:
+        recorded = self.active and torch.is_grad_enabled() and not ForwardReplay.suspended
+        in_backward = torch._C._current_graph_task_id() != -1
+        self.recording, self.replaying = recorded and not in_backward, None
+        if self.recording:
+            self.records.append([])
+        elif recorded:
+            self.replaying = iter(self.records.popleft())
+
+    def __call__(self, exchange):
+        if self.replaying is not None:
+            return next(self.replaying)
+        value = exchange()
+        if self.recording:
+            self.records[-1].append(value)
+        return value
+
+
+@contextmanager
+def exchanges_not_replayed():
+    """Forwards (and their recomputes) that exchange for themselves: a pipeline stage's shape inference."""
+    ForwardReplay.suspended = True
+    try:
+        yield
+    finally:
+        ForwardReplay.suspended = False
+
+
+def replays(module: nn.Module) -> list[ForwardReplay]:
+    return [m.forward_replay for m in module.modules() if isinstance(getattr(m, "forward_replay", None), ForwardReplay)]
+
+
+def ignore_profiler_annotations() -> None:
+    """The op policy keeps a record of every op a block's forward runs and wants recompute to run no
+    more of each. FSDP's hooks annotate with record_function ops, and a unit nested in a block (split
+    experts) that the block before it prefetched annotates less in the forward (no gather) than in
+    the recompute: torch's own ignore list gets the profiler's ops, which compute nothing."""
+    profiler = torch.ops.profiler
+    for op in (profiler._record_function_enter, profiler._record_function_enter_new, profiler._record_function_exit):
+        SAC_IGNORED_OPS.update(getattr(op, overload) for overload in op.overloads())
+
+
 def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, plan, ac) -> None:
+def apply_ac(model: nn.Module, plan, ac, replay_exchanges: bool = True) -> None:
     """Wrap the model's blocks in place (the family's `blocks`, keyed by layer id, and its blocks
     elsewhere; names gain `_checkpoint_wrapped_module.`), as [activation_checkpoint] says; its
-    preserve_rng_state, determinism_check, debug and early_stop go to torch.utils.checkpoint as they are."""
+    preserve_rng_state, determinism_check, debug and early_stop go to torch.utils.checkpoint as they are
+    (early_stop: not for blocks with exchanges to replay). `replay_exchanges`: false where a block may
+    be recomputed twice (split-backward pipeline schedules): then recompute exchanges again."""
     option = ac.selective_ac_option
     checkpoint_options = dict(
         preserve_rng_state=ac.preserve_rng_state, determinism_check=ac.determinism_check, debug=ac.debug,
@@ -49,8 +113,16 @@ def apply_ac(model: nn.Module, plan, ac) -> None:
     for parent, name in [(blocks, key) for key in blocks] + plan.blocks_elsewhere(model):
         block = getattr(parent, name)
         layer_id = int(name) if name.isdigit() else block.layer_id
+        # A block that replays its exchanges reruns its whole forward: stopping early could leave a
+        # record unused, and the next recompute would take it.
+        options = checkpoint_options | ({"early_stop": False} if replay_exchanges and replays(block) else {})
         if ac.mode == "full" or (ac.mode == "selective" and option.isdigit() and layer_id % int(option) == 0):
-            setattr(parent, name, checkpoint_wrapper(block, **checkpoint_options))
+            setattr(parent, name, checkpoint_wrapper(block, **options))
         elif ac.mode == "selective" and option == "op":
+            ignore_profiler_annotations()
             policy = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
-            setattr(parent, name, checkpoint_wrapper(block, context_fn=policy, **checkpoint_options))
+            setattr(parent, name, checkpoint_wrapper(block, context_fn=policy, **options))
+        else:
+            continue
+        for replay in replays(block):
+            replay.active = replay_exchanges

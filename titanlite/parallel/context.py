@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import context_parallel
 
 from titanlite.models.common.attention import CoreAttention, DocumentMask
+from titanlite.parallel.activation_checkpoint import ForwardReplay
 from titanlite.parallel.document_ring import document_ring
 
 def _cp_implementation_module():
@@ -138,16 +139,21 @@ def share_expert_counts(model: nn.Module, plan, sequence_mesh: DeviceMesh | None
     expert counts (the sequence-wise aux loss) are summed over the first, the per-forward counts
     (the global-batch aux loss) over the second, before use."""
     for layer in plan.moe_layers(model):
-        layer.reduce_sequence_counts = summed_over(sequence_mesh) if sequence_mesh else None
-        layer.reduce_batch_counts = summed_over(routing_mesh) if routing_mesh else None
+        layer.forward_replay = ForwardReplay()  # one of the two runs a forward; recompute takes its sums back
+        layer.reduce_sequence_counts = summed_over(sequence_mesh, layer.forward_replay) if sequence_mesh else None
+        layer.reduce_batch_counts = summed_over(routing_mesh, layer.forward_replay) if routing_mesh else None
 
 
-def summed_over(mesh: DeviceMesh):
+def summed_over(mesh: DeviceMesh, replay: ForwardReplay):
     group = mesh.get_group()
 
-    def summed(counts: torch.Tensor) -> torch.Tensor:
+    def all_reduced(counts: torch.Tensor) -> torch.Tensor:
         counts = counts.clone()
         torch.distributed.all_reduce(counts, group=group)
         return counts
+
+    def summed(counts: torch.Tensor) -> torch.Tensor:
+        replay.begin()
+        return replay(lambda: all_reduced(counts))
 
     return summed

@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from titanlite.parallel.activation_checkpoint import ForwardReplay
+
 
 class _AllToAll(torch.autograd.Function):
     """Rows of `x` in `send` blocks to each rank of `group`; `receive` rows come back. Backward sends
@@ -74,6 +76,7 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         names = device_mesh.mesh_dim_names
+        module.forward_replay = ForwardReplay()  # activation checkpointing's recompute exchanges nothing
         self.ep = device_mesh["ep"] if "ep" in names else None
         self.tp = device_mesh["tp"] if "tp" in names else None
         return distribute_module(module, device_mesh, self._shard, self._dispatch, self._combine)
@@ -86,22 +89,24 @@ class ExpertParallel(ParallelStyle):
 
     def _dispatch(self, module: nn.Module, inputs, mesh: DeviceMesh):
         tokens, counts = inputs
+        replay = module.forward_replay
+        replay.begin()
         ep_ranks = self.ep.size() if self.ep else 1
         # received[src, e]: tokens EP rank src sends to this rank's local expert e.
-        received = exchange_counts(counts, self.ep.get_group(), ep_ranks) if self.ep else counts.view(1, -1)
+        received = replay(lambda: exchange_counts(counts, self.ep.get_group(), ep_ranks)) if self.ep else counts.view(1, -1)
         # tp_counts[t, e]: tokens tp rank t holds (after EP) for local expert e.
-        tp_counts = gather_counts(received.sum(dim=0), self.tp.get_group(), self.tp.size()) if self.tp else None
+        tp_counts = replay(lambda: gather_counts(received.sum(dim=0), self.tp.get_group(), self.tp.size())) if self.tp else None
         sizes = [counts.view(ep_ranks, -1).sum(dim=1), received.sum(dim=1)] + ([tp_counts.sum(dim=1)] if self.tp else [])
-        sizes = torch.cat(sizes).tolist()  # the one host read: every buffer size of both exchanges
+        sizes = replay(lambda: torch.cat(sizes).tolist())  # the one host read: every buffer size of both exchanges
         send, receive, tp_rows = sizes[:ep_ranks], sizes[ep_ranks:2 * ep_ranks], sizes[2 * ep_ranks:]
         ep_state = tp_state = None
         if self.ep:
-            arrived = _AllToAll.apply(tokens, receive, send, self.ep.get_group())
+            arrived = replay(lambda: _AllToAll.apply(tokens, receive, send, self.ep.get_group()))
             # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
             ep_order = segment_order(received, sum(receive))
             tokens, counts, ep_state = arrived[ep_order], received.sum(dim=0), (ep_order, receive, send)
         if self.tp:
-            gathered = _GatherRows.apply(tokens, tp_rows, self.tp.get_group())
+            gathered = replay(lambda: _GatherRows.apply(tokens, tp_rows, self.tp.get_group()))
             tp_order = segment_order(tp_counts, sum(tp_rows))
             tokens, counts, tp_state = gathered[tp_order], tp_counts.sum(dim=0), (tp_order, tp_rows)
         module._ep_state = (ep_state, tp_state)
@@ -109,12 +114,15 @@ class ExpertParallel(ParallelStyle):
 
     def _combine(self, module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         ep_state, tp_state = module._ep_state
+        replay = module.forward_replay
         if tp_state:
             tp_order, tp_rows = tp_state
-            outputs = _SumRowsScatter.apply(by_source(outputs, tp_order), tp_rows, self.tp.get_group())
+            partials = by_source(outputs, tp_order)
+            outputs = replay(lambda: _SumRowsScatter.apply(partials, tp_rows, self.tp.get_group()))
         if ep_state:
             ep_order, receive, send = ep_state
-            outputs = _AllToAll.apply(by_source(outputs, ep_order), send, receive, self.ep.get_group())
+            by_rank = by_source(outputs, ep_order)
+            outputs = replay(lambda: _AllToAll.apply(by_rank, send, receive, self.ep.get_group()))
         return outputs
 
 

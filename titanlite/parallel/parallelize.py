@@ -23,6 +23,7 @@ from titanlite.parallel.context import apply_cp, share_expert_counts
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES
 from titanlite.parallel.tensor import apply_tp
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -78,7 +79,8 @@ def parallelize(
 
     ac = config.activation_checkpoint
     if ac.mode != "none":
-        apply_ac(model, plan, ac)
+        split_backward = dims.pp_enabled and p.pipeline_parallel_schedule.lower() in SPLIT_BACKWARD_SCHEDULES
+        apply_ac(model, plan, ac, replay_exchanges=not split_backward)
 
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, plan, dims.tp_enabled, collectives_in_graph=dims.tp_enabled or dims.cp_enabled, backend=config.compile.backend)

@@ -18,8 +18,12 @@ from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
+from titanlite.parallel.activation_checkpoint import exchanges_not_replayed
 
 V_SCHEDULES = ("zbvzerobubble", "dualpipev")
+# Schedules that take a microbatch's backward in two autograd passes (inputs, then weights), each
+# of which may recompute a checkpointed block.
+SPLIT_BACKWARD_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 BACKWARD_ACTIONS = ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD",
                     # torch >= 2.15 pairs each send and REDUCE_GRAD with a WAIT_ action
                     "WAIT_SEND_B", "WAIT_REDUCE_GRAD")
@@ -147,8 +151,10 @@ def pipeline_stages(model: nn.Module, plan, dims, config: JobConfig) -> tuple[li
 def stage_keeping_buffers():
     """torch's PipelineStage, except that the forward it runs at the first step to infer shapes
     (a real forward, on uninitialized activations after the first stage) leaves the model's buffers
-    as they were: a MoE layer would count its tokens. (torch 2.13 names that method
-    _forward_metadata_inference, earlier releases _shape_inference.)"""
+    as they were: a MoE layer would count its tokens. That forward, and the backward torch 2.13 runs
+    after it on some stages, exchange for themselves: activation checkpointing keeps no record of
+    them for a recompute. (torch 2.13 names these methods _forward_metadata_inference and
+    _backward_metadata_inference, earlier releases have _shape_inference.)"""
     import torch
     from torch.distributed.pipelining import PipelineStage
 
@@ -156,7 +162,8 @@ def stage_keeping_buffers():
         def run(self, *args, **kwargs):
             saved = [(b, b.clone()) for b in self.submod.buffers()]
             try:
-                return infer(self, *args, **kwargs)
+                with exchanges_not_replayed():
+                    return infer(self, *args, **kwargs)
             finally:
                 with torch.no_grad():
                     for buffer, value in saved:
@@ -165,11 +172,20 @@ def stage_keeping_buffers():
 
         return run
 
+    def not_replayed(infer):
+        def run(self, *args, **kwargs):
+            with exchanges_not_replayed():
+                return infer(self, *args, **kwargs)
+
+        return run
+
     methods = {
         name: keeping_buffers(getattr(PipelineStage, name))
         for name in ("_forward_metadata_inference", "_shape_inference")
         if hasattr(PipelineStage, name)
     }
+    if hasattr(PipelineStage, "_backward_metadata_inference"):
+        methods["_backward_metadata_inference"] = not_replayed(PipelineStage._backward_metadata_inference)
     return type("StageKeepingBuffers", (PipelineStage,), methods)
 
 

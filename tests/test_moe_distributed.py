@@ -1,0 +1,107 @@
+"""FSDP of routed experts on 4 gloo ranks: where the ranks outnumber a rank's experts they are
+sharded along dim 1 (dim 0 would pad each rank to a whole expert), and each block's forward starts
+the next block's expert all-gather with its own. Their losses and gradients are parity cases."""
+
+import pytest
+
+from distributed import run_distributed
+
+
+def _experts_units(num_experts: int) -> tuple:
+    from dataclasses import replace
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from titanlite.config import parse_args
+    from titanlite.models import FAMILIES, build_model, model_args
+    from titanlite.parallel.dims import ParallelDims
+    from titanlite.parallel.parallelize import parallelize
+
+    config = parse_args(["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", "2",
+                         "--training.mixed_precision_param", "float32"])
+    dims = ParallelDims.from_config(config, 4)
+    dims.build_mesh("cpu")
+    plan = FAMILIES["moe"].plan
+    model = build_model("moe", replace(model_args("moe", "debugmoe", 256, 32), num_experts=num_experts))
+    parallelize(model, plan, dims, config, "cpu")
+    placements = {name: [str(pl) for pl in p.placements] for name, p in model.named_parameters() if ".experts." in name}
+    names = {id(m): name for name, m in model.named_modules()}
+    prefetch = {names[id(m)]: [names[id(s._modules[0])] for s in m._get_fsdp_state()._states_to_forward_prefetch]
+                for m in model.modules() if isinstance(m, FSDPModule)}
+    return placements, prefetch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_experts, fsdp_placement", [(2, "S(1)"), (4, "_S(0, 2)")])  # _S: dim 0 within EP's shard
+def test_experts_shard_along_dim_1_where_ranks_outnumber_them(num_experts, fsdp_placement):
+    """EP 2 on 4 ranks: each expert is FSDP-sharded over 2 ranks (efsdp). One local expert (2 in all):
+    dim 1; two local experts: dim 0, as before."""
+    placements, prefetch = run_distributed(_experts_units, 4, num_experts, timeout=300)[0]
+    # (efsdp's FSDP placement, then EP's Shard(0) over experts.)
+    assert placements["layers.1.feed_forward.experts.w1"] == [fsdp_placement, "S(0)"]
+    assert placements["layers.3.feed_forward.experts.w2"] == [fsdp_placement, "S(0)"]
+    # Each unit starts the next block's all-gather and that of its experts (a unit of their own).
+    assert prefetch["tok_embeddings"] == ["layers.0"]
+    assert prefetch["layers.0"] == ["layers.1", "layers.1.feed_forward.experts"]
+    assert prefetch["layers.2"] == ["layers.3", "layers.3.feed_forward.experts"]
+    assert prefetch["layers.3"] == ["norm"]
+
+
+COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather")
+
+
+def _collectives_in_backward(dataset: str, folder: str, overrides: list[str]) -> dict:
+    """Collectives and host reads that MoE code (parallel/expert.py, parallel/context.py) runs while
+    backward runs, over 2 training steps; FSDP's own reductions are not counted."""
+    import sys
+    from collections import Counter
+
+    import torch
+    import torch.distributed as dist
+
+    from helpers import tiny_args
+    from titanlite.config import parse_args
+    from titanlite.train import train
+    from titanlite.trainer import Trainer
+
+    calls = Counter()
+
+    def moe_caller() -> str | None:
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if path.endswith(("titanlite/parallel/expert.py", "titanlite/parallel/context.py")):
+                return path.rsplit("/", 1)[-1]
+            frame = frame.f_back
+        return None
+
+    def counted(name, run):
+        def wrapper(*args, **kwargs):
+            caller = moe_caller()
+            if caller and torch._C._current_graph_task_id() != -1:
+                calls[f"{caller}:{name}"] += 1
+            return run(*args, **kwargs)
+        return wrapper
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name, getattr(dist, name)))
+    torch.Tensor.tolist = counted("tolist", torch.Tensor.tolist)
+    trainer = Trainer(parse_args(tiny_args(dataset, folder, "--training.steps", "2", *overrides)), torch.device("cpu"))
+    train(trainer)
+    return {"calls": dict(calls), "moe_layers": len(trainer.moe_layers)}
+
+
+EP2_GLOBAL_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", "2",
+                  "--model.moe_aux_loss_coeff", "0.01", "--model.moe_aux_loss_type", "global_batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", [["--activation_checkpoint.mode", "full"],
+                                ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]])
+def test_recompute_runs_no_moe_communication(corpus_jsonl, tmp_path, ac):
+    """Under activation checkpointing backward reruns each block's forward. Its expert-parallel
+    exchanges (counts all-to-all, the host read of the split sizes, both token all-to-alls) and the
+    global-batch loss's all-reduce of counts are not rerun: backward runs only the token exchanges'
+    own backward, one all-to-all each way per MoE layer and step (2 steps)."""
+    for run in run_distributed(_collectives_in_backward, 2, str(corpus_jsonl), str(tmp_path), EP2_GLOBAL_AUX + ac, timeout=300):
+        assert run["calls"] == {"expert.py:all_to_all_single": 2 * 2 * run["moe_layers"]}, run
