@@ -9,9 +9,10 @@ the tp ranks' tokens too. The routed experts are whole on each rank (expert_tens
 = 1; expert parallel then borrows the tp ranks) or split over tp along their hidden dim
 (expert_tensor_parallel_degree = tp; parallel/expert.py).
 
-torch.compile takes a block's attention and a dense block's feed-forward; a MoE feed-forward runs
-eagerly, since its routing has data-dependent sizes (expert parallel's split sizes, the loop over
-experts) that a full graph cannot hold.
+torch.compile takes a block's attention and a dense block's feed-forward; in a MoE block, the
+router and the shared experts. The rest of the MoE layer runs eagerly: the dispatch and combine
+around the routed experts hold expert parallel's exchanges, whose split sizes are read to the host
+(a full graph cannot hold that read), and the loop over experts reads each expert's count.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from titanlite.models.moe.model import MoETransformer
 
 def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
     inner = getattr(block, "_checkpoint_wrapped_module", block)
-    return [inner.attention] + ([] if isinstance(inner.feed_forward, MoE) else [inner.feed_forward])
+    moe = inner.feed_forward if isinstance(inner.feed_forward, MoE) else None
+    if moe is None:
+        return [inner.attention, inner.feed_forward]
+    return [inner.attention, moe.router] + ([moe.shared_experts] if moe.shared_experts is not None else [])
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | None) -> dict:
