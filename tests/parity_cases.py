@@ -111,6 +111,7 @@ MOE_SIGMOID_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe_sigmoid", 
 EP, ETP = "--parallelism.expert_parallel_degree", "--parallelism.expert_tensor_parallel_degree"
 # Qwen's global-batch balance loss: its expert counts span every rank that routes the forward's tokens.
 MOE_GLOBAL_AUX = MOE + ["--model.moe_aux_loss_coeff", "0.1", "--model.moe_aux_loss_type", "global_batch"]
+CHUNKED_LOSS = ["--training.loss_chunks", "3"]
 # Mixture of experts (with a shared expert; or sigmoid routing without one, plus the aux loss): the
 # experts split over ranks borrowed from dp_shard and cp, composed with FSDP, HSDP, CP, PP and AC.
 CASES_MOE_2 = {
@@ -137,6 +138,11 @@ CASES_MOE_2 = {
     "moe_fsdp2_global_aux": MOE_GLOBAL_AUX,
     "moe_cp2_ep2_global_aux": MOE_GLOBAL_AUX + [CP, "2", EP, "2"],
     "moe_tp2_global_aux": MOE_GLOBAL_AUX + [TP, "2"],
+    # The output projection and loss a piece of the tokens at a time (the reference builds the logits).
+    "fsdp2_chunked_loss": CHUNKED_LOSS,
+    "pp2_1f1b_chunked_loss": CHUNKED_LOSS + PP + schedule("1F1B"),
+    "cp2_chunked_loss": CHUNKED_LOSS + [CP, "2"],
+    "moe_ep2_chunked_loss": CHUNKED_LOSS + MOE + [EP, "2"],
 }
 CASES_MOE_4 = {
     "moe_ep2_fsdp2": MOE + [EP, "2"],

@@ -151,6 +151,9 @@ def test_torchtitan_nested_sections_load(tmp_path):
         (["--quantize.linear", "1"], ["'quantize.linear' is a section"]),
         (["--compile.components", "model,optimizer"], ["compile.components", "'optimizer'", "model, loss"]),
         (["--model.converters", "float9"], ["model.converters=['float9']", "choose from: quantize.linear.float8, float8"]),
+        (["--training.loss_chunks", "0"], ["training.loss_chunks=0", ">= 1"]),
+        (["--training.loss_chunks", "4", "--parallelism.tensor_parallel_degree", "2"],
+         ["training.loss_chunks=4 with tensor_parallel_degree=2", "set training.loss_chunks=1"]),
     ],
 )
 def test_bad_input_names_key_value_and_fix(args, words):

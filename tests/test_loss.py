@@ -126,3 +126,67 @@ def test_vocab_parallel_cross_entropy_is_exact_at_every_slice_boundary():
     for per_rank in run_distributed(_vocab_parallel_at_slice_boundaries, 3, (99, 100, 7)):
         for vocab, loss_difference, grad_difference in per_rank:
             assert loss_difference <= 1e-6 and grad_difference <= 1e-6, (vocab, loss_difference, grad_difference)
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_chunked_output_and_loss_equal_torchs_on_the_whole_logits(chunks):
+    """OutputProjection given labels: the summed cross entropy of its logits, computed a piece of the
+    tokens at a time; loss and the gradients of the hidden state and the weight within 1e-6 of
+    F.linear + F.cross_entropy on the whole logits (here scaled by a loss gradient of 0.5)."""
+    from titanlite.models.common.linear import OutputProjection
+
+    gen = torch.Generator().manual_seed(0)
+    output = OutputProjection(32, 1000, bias=False)
+    with torch.no_grad():
+        output.weight.copy_(torch.randn(1000, 32, generator=gen) * 0.2)
+    hidden = torch.randn(3, 17, 32, generator=gen, requires_grad=True)  # 51 tokens: uneven pieces
+    labels = torch.randint(0, 1000, (3, 17), generator=gen)
+    expected = F.cross_entropy(F.linear(hidden, output.weight).flatten(0, 1), labels.flatten(), reduction="sum")
+    grads = torch.autograd.grad(0.5 * expected, (hidden, output.weight))
+    output.loss_chunks = chunks
+    loss = output(hidden, labels)
+    chunked = torch.autograd.grad(0.5 * loss, (hidden, output.weight))
+    assert abs(loss.item() - expected.item()) <= 1e-6 * expected.item()
+    for got, want in zip(chunked, grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # evaluation: the loss alone
+        assert output(hidden, labels).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+class LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_the_chunked_loss_never_builds_the_whole_logits():
+    """Through a whole model, forward and backward: no tensor as large as the logits (tokens x
+    vocabulary) exists: the largest are the blocks' activations and the weights' gradients. The model's
+    loss and every gradient equal those of its logits' cross entropy."""
+    from titanlite.models import build_model, model_args
+
+    args = model_args("llama3", "debugmodel", 2048, 256, n_layers=2)
+    model = build_model("llama3", args).to_empty(device="cpu")
+    model.init_weights(0)
+    tokens = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(2))
+    cross_entropy_sum(model(tokens), labels).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model.output.loss_chunks = 8
+    with LargestOutput() as mode:
+        loss = model(tokens, labels=labels)
+        loss.backward()
+    logits = 4 * 256 * 2048
+    assert mode.largest < logits / 2, (mode.largest, logits)
+    assert loss.item() == pytest.approx(cross_entropy_sum(model(tokens), labels).item(), rel=1e-6)
+    # Against each gradient's largest entry: the pieces sum the weight's gradient in another order.
+    worst = {name: ((p.grad - expected[name]).abs().max() / expected[name].abs().max()).item() for name, p in model.named_parameters()}
+    assert max(worst.values()) <= 1e-6, worst

@@ -20,13 +20,15 @@ class Float8Converter:
     def __init__(self, config: JobConfig):
         self.settings = config.float8
         self.recipe = float8_recipe(self.settings)
+        self.chunked_loss = config.training.loss_chunks > 1
 
     def convert(self, model: nn.Module, plan) -> None:
         """filter_fqns, and what the family keeps in high precision (a MoE's router)."""
         convert_to_float8(model, self.recipe, self.filter_fqns(plan), self.settings.emulate)
 
     def filter_fqns(self, plan) -> list[str]:
-        return [*self.settings.filter_fqns, *plan.float8_excluded]
+        # The chunked loss runs the output projection's matmuls itself, in high precision.
+        return [*self.settings.filter_fqns, *plan.float8_excluded, *(["output"] if self.chunked_loss else [])]
 
     def before_fsdp(self, model: nn.Module) -> None:
         if self.settings.enable_fsdp_float8_all_gather:

@@ -109,3 +109,4 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     backward = staticmethod(SummedCrossEntropy.backward)  # the same: the gradient was made in forward
+

@@ -29,6 +29,7 @@ from titanlite.loss import IGNORED, cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
 from titanlite.models.common.attention import document_layout
+from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
@@ -114,6 +115,12 @@ class Trainer:
             if config.model.print_after_conversion and dist.get_rank() == 0:
                 print(part, flush=True)
         self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
+        self.chunked_loss = t.loss_chunks > 1  # the model returns the summed loss of labels it is given
+        if self.chunked_loss and getattr(args, "mtp_depth", 0):
+            raise ConfigError(f"training.loss_chunks={t.loss_chunks} with multi-token prediction (mtp_depth={args.mtp_depth}): "
+                              "not yet; set training.loss_chunks=1 or model.flavor_overrides mtp_depth=0")
+        for output in (m for part in self.model_parts for m in part.modules() if isinstance(m, OutputProjection)):
+            output.loss_chunks = t.loss_chunks
         if self.moe_layers and device.type != "meta":
             log_line(configure_experts([layer.experts for layer in self.moe_layers], args.use_grouped_mm, device))
         self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
@@ -225,7 +232,7 @@ class Trainer:
                     )
                 )
                 token_inputs = dict(zip(token_inputs, shards))
-            yield inputs, labels, token_inputs
+            yield inputs, labels, token_inputs | ({"labels": labels} if self.chunked_loss else {})
 
     def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
         """The summed cross entropy over the global token count. With multi-token prediction (labels:
@@ -234,6 +241,8 @@ class Trainer:
         window's tokens); in evaluation it returns its own logits alone."""
         if self.mtp_depth:
             labels, depth_labels = labels[..., 0], labels[..., 1:]
+        if self.chunked_loss:  # the model's own loss, summed (OutputProjection)
+            return output / self.loss_scale
         if not isinstance(output, tuple):
             return local_value(self.cross_entropy(output, labels)) / self.loss_scale
         logits, *predictions = output

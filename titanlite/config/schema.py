@@ -171,6 +171,7 @@ class Training:
     )
     dataset_path: str | None = opt(None, "local file, folder or glob to read `dataset` from")
     local_batch_size: int = opt(8, "sequences per data-parallel rank per microbatch")
+    loss_chunks: int = opt(1, "the output projection and cross entropy over this many pieces of the tokens, never the whole logits (1: whole)", extension=True)
     global_batch_size: int = opt(
         -1, "sequences per optimizer step over all ranks; -1 = local_batch_size x dp (no gradient accumulation)"
     )

@@ -56,6 +56,7 @@ def validate(config: JobConfig) -> None:
         ("validation.local_batch_size", v.local_batch_size),
         ("validation.seq_len", v.seq_len),
         ("training.gc_freq", t.gc_freq),
+        ("training.loss_chunks", t.loss_chunks),
         ("checkpoint.interval", c.interval),
         ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
         ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
@@ -93,6 +94,11 @@ def validate(config: JobConfig) -> None:
         not (p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1 and not config.compile.enable),
         "parallelism.enable_async_tensor_parallel=true needs compile.enable=true (torch pipelines TP's matmuls in "
         "compiled graphs); turn compile on or async TP off",
+    )
+    _require(
+        t.loss_chunks == 1 or p.tensor_parallel_degree == 1,
+        f"training.loss_chunks={t.loss_chunks} with tensor_parallel_degree={p.tensor_parallel_degree}: the chunked loss does "
+        "not take a vocabulary split over tp ranks yet; set training.loss_chunks=1 (loss parallel keeps the logits sharded)",
     )
     _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
     _require(config.model.n_layers >= 0, f"model.n_layers={config.model.n_layers} must be >= 0 (0 = the flavor's)")

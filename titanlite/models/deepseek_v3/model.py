@@ -119,10 +119,11 @@ class DeepSeekV3Transformer(Transformer):
     def make_block(self, layer_id: int, args: DeepSeekV3Args) -> nn.Module:
         return deepseek_block(layer_id, args)
 
-    def forward(self, tokens, future=None, positions=None, document_ids=None, future_tokens=None):
-        """`future`: on a later pipeline stage, the future tokens' embeddings from the one before."""
+    def forward(self, tokens, future=None, positions=None, document_ids=None, future_tokens=None, labels=None):
+        """`future`: on a later pipeline stage, the future tokens' embeddings from the one before.
+        `labels`: the summed loss instead of the logits (without multi-token prediction)."""
         if self.args.mtp_depth == 0:
-            return super().forward(tokens, positions, document_ids)
+            return super().forward(tokens, positions, document_ids, labels)
         h = tokens
         if self.tok_embeddings is not None:
             h, future = self.tok_embeddings(tokens), self.tok_embeddings(future_tokens)

@@ -17,6 +17,7 @@ from titanlite.models.common.args import ModelArgs
 from titanlite.models.common.attention import Attention, DocumentMask, build_mask
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.fqn import canonical_fqn
+from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.rope import rope_cache
 
 
@@ -44,7 +45,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.make_block(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed after materialization, never checkpointed.
         self.register_buffer("rope", self.rope_table(), persistent=False)
 
@@ -55,17 +56,21 @@ class Transformer(nn.Module):
         return TransformerBlock(layer_id, args)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (b, s) (a later pipeline stage: the hidden states); `positions` (b, s) pick each
         token's RoPE rows (default 0..s-1); with `document_ids` (b, s) attention stays within each
-        document (models/common/attention.py's document_layout gives both)."""
+        document (models/common/attention.py's document_layout gives both). With `labels` (b, s)
+        the model returns their summed cross entropy (chunked: OutputProjection), not the logits."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope, mask = self.position_inputs(positions, document_ids, h.shape[1])
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.output(h, labels)
 
     def position_inputs(self, positions: torch.Tensor | None, document_ids: torch.Tensor | None, seq_len: int) -> tuple:
         """(each token's RoPE rows, what the blocks' attention masks by: the document mask or None) of
