@@ -1,7 +1,7 @@
 """Peak memory of the output projection + cross entropy, forward and backward, at a large vocabulary:
 titanlite's loss on the whole logits, its chunked loss (training.loss_chunks), torch's
 F.linear + F.cross_entropy, and TorchTitan's ChunkedLossWrapper (run with --torchtitan in a venv
-that has torchtitan, e.g. the one ../shared/tools/torchtitan_cpu.sh builds).
+that has torchtitan, such as the one the tool library's TorchTitan CPU runner builds).
 
     python scripts/loss_memory.py                       # titanlite and torch
     /tmp/tt-venv/bin/python scripts/loss_memory.py --torchtitan   # TorchTitan's (no titanlite import)

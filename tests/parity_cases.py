@@ -138,6 +138,9 @@ CASES_MOE_2 = {
     "moe_fsdp2_global_aux": MOE_GLOBAL_AUX,
     "moe_cp2_ep2_global_aux": MOE_GLOBAL_AUX + [CP, "2", EP, "2"],
     "moe_tp2_global_aux": MOE_GLOBAL_AUX + [TP, "2"],
+    # Each forward is its own global batch: accumulation steps and pipeline microbatches.
+    "moe_fsdp2_global_aux_grad_accumulation": MOE_GLOBAL_AUX + ["--training.global_batch_size", "8"],
+    "moe_pp2_global_aux": MOE_GLOBAL_AUX + PP + schedule("1F1B"),
     # The output projection and loss a piece of the tokens at a time (the reference builds the logits).
     "fsdp2_chunked_loss": CHUNKED_LOSS,
     "pp2_1f1b_chunked_loss": CHUNKED_LOSS + PP + schedule("1F1B"),

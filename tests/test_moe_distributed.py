@@ -96,12 +96,15 @@ EP2_GLOBAL_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe", "--parall
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ac", [["--activation_checkpoint.mode", "full"],
-                                ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]])
-def test_recompute_runs_no_moe_communication(corpus_jsonl, tmp_path, ac):
+@pytest.mark.parametrize("ac, token_exchanges", [
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], 2),
+    (["--activation_checkpoint.mode", "full"], 4),
+])
+def test_recompute_runs_no_moe_communication(corpus_jsonl, tmp_path, ac, token_exchanges):
     """Under activation checkpointing backward reruns each block's forward. Its expert-parallel
-    exchanges (counts all-to-all, the host read of the split sizes, both token all-to-alls) and the
-    global-batch loss's all-reduce of counts are not rerun: backward runs only the token exchanges'
-    own backward, one all-to-all each way per MoE layer and step (2 steps)."""
+    count all-to-all, the host read of the split sizes and the global-batch loss's all-reduce of
+    counts are never rerun. Under the op policy neither are the token all-to-alls: backward runs
+    only their own backward, one all-to-all each way per MoE layer and step (2 steps); full
+    checkpointing exchanges the tokens again (2 more) rather than keep them."""
     for run in run_distributed(_collectives_in_backward, 2, str(corpus_jsonl), str(tmp_path), EP2_GLOBAL_AUX + ac, timeout=300):
-        assert run["calls"] == {"expert.py:all_to_all_single": 2 * 2 * run["moe_layers"]}, run
+        assert run["calls"] == {"expert.py:all_to_all_single": token_exchanges * 2 * run["moe_layers"]}, run

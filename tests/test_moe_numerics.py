@@ -165,6 +165,7 @@ def test_a_moe_blocks_router_and_shared_experts_compile_whole():
     from titanlite.parallel.compile import apply_compile
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     plan = FAMILIES["moe"].plan
     args = model_args("moe", "debugmoe", 256, 16)
     model, reference = (build_model("moe", args).to_empty(device="cpu") for _ in range(2))

@@ -110,6 +110,21 @@ def token_inputs_by_hand(x: torch.Tensor, bos_id: int, reset_positions: bool) ->
     return {"positions": positions, "document_ids": document_ids}
 
 
+def global_forwards(trainer, config) -> list[torch.Tensor]:
+    """The global batch's rows of each forward of a step, where the loss depends on them: Qwen's
+    global-batch aux loss spans each forward's tokens on every rank (accumulation step i and pipeline
+    microbatch j: rows j*mb.. of every dp rank's microbatch i). One forward otherwise."""
+    layers = trainer.moe_layers
+    if not (trainer.aux_loss_on and layers and layers[0].aux_loss_type == "global_batch"):
+        return [torch.arange(0)]
+    t, dp = config.training, trainer.dp_degree
+    mb = config.parallelism.pipeline_parallel_microbatch_size if trainer.dims.pp_enabled else t.local_batch_size
+    return [
+        torch.cat([torch.arange(mb) + (i * dp + r) * t.local_batch_size + j * mb for r in range(dp)])
+        for i in range(trainer.accumulation_steps) for j in range(t.local_batch_size // mb)
+    ]
+
+
 def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_running: bool = False) -> dict:
     from titanlite.config import float8_recipe, parse_args
     from titanlite.data.dataset import build_dataloader
@@ -134,7 +149,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     reference = trainer.plan.build(replace(trainer.model_parts[0].args, fused_projections=False))
     reference.init_weights(trainer.seed)
     ref_moe = trainer.plan.moe_layers(reference)
-    set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len, 1)
+    forwards = global_forwards(trainer, config)
+    set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len, len(forwards))
     if config.float8:
         convert_to_float8(reference, float8_recipe(config.float8), trainer.converters[0].filter_fqns(trainer.plan), config.float8.emulate)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
@@ -199,7 +215,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
         # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
         rows = t.local_batch_size if config.float8 else len(inputs)
-        ref_loss = sum(reference_loss(x, y) for x, y in zip(inputs.split(rows), labels.split(rows))) / labels.numel()
+        pieces = [(inputs[r], labels[r]) for r in forwards] if len(forwards) > 1 else zip(inputs.split(rows), labels.split(rows))
+        ref_loss = sum(reference_loss(x, y) for x, y in pieces) / labels.numel()
         ref_loss.backward()
         record("loss", abs(loss - ref_loss.item()), f"step {step}")
         for name, p, ref in pairs:

@@ -32,6 +32,7 @@ from titanlite.models.common.attention import document_layout
 from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
+from titanlite.parallel.activation_checkpoint import check_replays_done, replays
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
@@ -115,6 +116,7 @@ class Trainer:
             if config.model.print_after_conversion and dist.get_rank() == 0:
                 print(part, flush=True)
         self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
+        self.replays = [replay for part in self.model_parts for replay in replays(part)]
         self.chunked_loss = t.loss_chunks > 1  # the model returns the summed loss of labels it is given
         if self.chunked_loss and getattr(args, "mtp_depth", 0):
             raise ConfigError(f"training.loss_chunks={t.loss_chunks} with multi-token prediction (mtp_depth={args.mtp_depth}): "
@@ -287,6 +289,7 @@ class Trainer:
         self.mtp_loss.zero_()
         self.before_step()
         objective = sum(self.forward(x, y, backward=True) for x, y in microbatches)
+        check_replays_done(self.replays)
         # The model's own loss (step_extras logs MTP's).
         return objective - self.mtp_loss_weight * self.mtp_loss if self.mtp_depth else objective
 

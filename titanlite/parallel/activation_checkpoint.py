@@ -5,9 +5,11 @@
                           attention (expensive to recompute), recompute the cheap elementwise ops and norms
   selective, option 'k'   fully checkpoint every k-th block (layer ids 0, k, 2k, ...)
 
-Recompute never communicates: what a checkpointed block's forward got from other ranks or read to
-the host (expert parallel's exchanges, MoE counts summed over ranks) is kept (`ForwardReplay`) and
-handed back when backward reruns that forward, as an op policy keeps the outputs it saves.
+Recompute exchanges no counts and reads nothing to the host: what a checkpointed block's forward got
+from other ranks (expert parallel's counts and split sizes, MoE counts summed over ranks) is kept
+(`ForwardReplay`) and handed back when backward reruns that forward. The op policy keeps the token
+exchanges' outputs too (as it keeps matmuls'), so its recompute communicates nothing; full
+checkpointing exchanges the tokens again rather than keep 2 x top_k copies of a block's input.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ class ForwardReplay:
     exchanges run and their results are recorded; in recompute (inside backward) they come back from
     the record of the oldest forward not yet recomputed (backward takes microbatches in forward
     order), and nothing is exchanged. Only inside checkpointed blocks (`active`, set by apply_ac)
-    and for forwards that record a graph; the lambdas must hold the exchange alone (their inputs'
-    local ops run in both, so recompute saves the same tensors as the forward)."""
+    and for forwards that record a graph; the lambdas hold the exchange alone: local ops run in both,
+    so recompute saves the same tensors as the forward and calls every op the op policy saves as
+    often. Bulky exchanges (tokens) are kept under the op policy only."""
 
     def __init__(self):
         self.active, self.records, self.recording, self.replaying = False, deque(), False, None
+        self.keep_bulky = False  # keep exchanges marked bulky (tokens) too: the op policy
 
     suspended = False  # exchanges_not_replayed
 
@@ -61,7 +65,9 @@ class ForwardReplay:
         elif recorded:
             self.replaying = iter(self.records.popleft())
 
-    def __call__(self, exchange):
+    def __call__(self, exchange, bulky: bool = False):
+        if bulky and not self.keep_bulky:
+            return exchange()
         if self.replaying is not None:
             return next(self.replaying)
         value = exchange()
@@ -73,11 +79,21 @@ class ForwardReplay:
 @contextmanager
 def exchanges_not_replayed():
     """Forwards (and their recomputes) that exchange for themselves: a pipeline stage's shape inference."""
-    ForwardReplay.suspended = True
+    before, ForwardReplay.suspended = ForwardReplay.suspended, True
     try:
         yield
     finally:
-        ForwardReplay.suspended = False
+        ForwardReplay.suspended = before
+
+
+def check_replays_done(replays_: list[ForwardReplay]) -> None:
+    """After a step's backward every recorded forward has been recomputed: one left over would hand
+    its values to another microbatch's recompute."""
+    if any(replay.records for replay in replays_):
+        for replay in replays_:
+            replay.records.clear()
+        raise RuntimeError("a checkpointed forward's exchanges were never replayed by its recompute (a forward "
+                           "with autograd and no backward?); the records are cleared")
 
 
 def replays(module: nn.Module) -> list[ForwardReplay]:
@@ -125,4 +141,4 @@ def apply_ac(model: nn.Module, plan, ac, replay_exchanges: bool = True) -> None:
         else:
             continue
         for replay in replays(block):
-            replay.active = replay_exchanges
+            replay.active, replay.keep_bulky = replay_exchanges, ac.mode == "selective" and option == "op"

@@ -95,18 +95,19 @@ class ExpertParallel(ParallelStyle):
         # received[src, e]: tokens EP rank src sends to this rank's local expert e.
         received = replay(lambda: exchange_counts(counts, self.ep.get_group(), ep_ranks)) if self.ep else counts.view(1, -1)
         # tp_counts[t, e]: tokens tp rank t holds (after EP) for local expert e.
-        tp_counts = replay(lambda: gather_counts(received.sum(dim=0), self.tp.get_group(), self.tp.size())) if self.tp else None
-        sizes = [counts.view(ep_ranks, -1).sum(dim=1), received.sum(dim=1)] + ([tp_counts.sum(dim=1)] if self.tp else [])
-        sizes = replay(lambda: torch.cat(sizes).tolist())  # the one host read: every buffer size of both exchanges
+        local_counts = received.sum(dim=0)
+        tp_counts = replay(lambda: gather_counts(local_counts, self.tp.get_group(), self.tp.size())) if self.tp else None
+        size_tensor = torch.cat([counts.view(ep_ranks, -1).sum(dim=1), received.sum(dim=1)] + ([tp_counts.sum(dim=1)] if self.tp else []))
+        sizes = replay(lambda: size_tensor.tolist())  # the one host read: every buffer size of both exchanges
         send, receive, tp_rows = sizes[:ep_ranks], sizes[ep_ranks:2 * ep_ranks], sizes[2 * ep_ranks:]
         ep_state = tp_state = None
         if self.ep:
-            arrived = replay(lambda: _AllToAll.apply(tokens, receive, send, self.ep.get_group()))
+            arrived = replay(lambda: _AllToAll.apply(tokens, receive, send, self.ep.get_group()), bulky=True)
             # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
             ep_order = segment_order(received, sum(receive))
             tokens, counts, ep_state = arrived[ep_order], received.sum(dim=0), (ep_order, receive, send)
         if self.tp:
-            gathered = replay(lambda: _GatherRows.apply(tokens, tp_rows, self.tp.get_group()))
+            gathered = replay(lambda: _GatherRows.apply(tokens, tp_rows, self.tp.get_group()), bulky=True)
             tp_order = segment_order(tp_counts, sum(tp_rows))
             tokens, counts, tp_state = gathered[tp_order], tp_counts.sum(dim=0), (tp_order, tp_rows)
         module._ep_state = (ep_state, tp_state)
@@ -118,11 +119,11 @@ class ExpertParallel(ParallelStyle):
         if tp_state:
             tp_order, tp_rows = tp_state
             partials = by_source(outputs, tp_order)
-            outputs = replay(lambda: _SumRowsScatter.apply(partials, tp_rows, self.tp.get_group()))
+            outputs = replay(lambda: _SumRowsScatter.apply(partials, tp_rows, self.tp.get_group()), bulky=True)
         if ep_state:
             ep_order, receive, send = ep_state
             by_rank = by_source(outputs, ep_order)
-            outputs = replay(lambda: _AllToAll.apply(by_rank, send, receive, self.ep.get_group()))
+            outputs = replay(lambda: _AllToAll.apply(by_rank, send, receive, self.ep.get_group()), bulky=True)
         return outputs
 
 

@@ -107,15 +107,16 @@ class AllToAllReduceScatter(ReduceScatter):
 
 def experts_placement(expert_params: set, mesh: DeviceMesh):
     """FSDP's shard dim for a unit's parameters: dim 0, but for routed experts with fewer experts
-    (dim 0) than ranks to shard them over, dim 1 (TorchTitan's rule): dim 0 would pad every rank to
-    a whole expert (at 128 experts on 256 ranks, twice the memory and all-gather bytes)."""
+    (dim 0) than ranks to shard them over, dim 1 (TorchTitan's rule) where the ranks divide it and
+    expert TP has not split it: dim 0 would pad every rank to a whole expert (at 128 experts on 256
+    ranks, twice the memory and all-gather bytes)."""
     ranks = mesh.size(-1)
 
     def placement(param: nn.Parameter) -> Shard:
         local = param.to_local() if isinstance(param, DTensor) else param
         taken = {pl.dim for pl in getattr(param, "placements", ()) if isinstance(pl, Shard)}
-        if param in expert_params and local.shape[0] < ranks and 1 not in taken:
-            return Shard(1)
+        if param in expert_params and local.shape[0] < ranks and 1 not in taken and local.shape[1] % ranks == 0:
+            return Shard(1)  # FSDP2 shards dim 1 evenly only
         return Shard(0)
 
     return placement

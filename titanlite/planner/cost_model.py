@@ -204,10 +204,11 @@ def estimate(
     edp = L.dp_replicate * fsdp * L.tp // L.ep
     efsdp = max(1, fsdp * L.tp // L.ep)  # the ranks FSDP shards each routed expert over (ZeRO-1: none)
     # FSDP2 shards the experts along their first dim, ceil(local experts / efsdp) whole experts on the
-    # first ranks; where the ranks outnumber the experts, along dim 1, evenly (parallel/fsdp.py).
+    # first ranks; where the ranks outnumber the experts and divide dim 1, along it, evenly (parallel/fsdp.py).
     local_experts = model.num_experts // L.ep if expert_part else 1
+    along_dim_1 = efsdp > local_experts and model.dim % efsdp == 0 and model.moe_hidden_dim % efsdp == 0 if expert_part else False
     # The share of its EP rank's experts a rank holds, at most.
-    expert_shard = 1 / efsdp if efsdp > local_experts else -(-local_experts // efsdp) / local_experts
+    expert_shard = 1 / efsdp if along_dim_1 else -(-local_experts // efsdp) / local_experts
     est = Estimate(L, gpu, capacity=gpu.hbm_bytes, peak=gpu.bf16_flops)
 
     # Memory. ZeRO-1: bf16 weights and fp32 gradients whole, the fp32 master weights and Adam's

@@ -128,25 +128,11 @@ def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])
 
 
-# Float8 grouped GEMMs want each group's rows aligned to 16; bf16 and fp32 ones take any group size.
-FLOAT8_ROW_ALIGNMENT = 16
-
-
-def grouped_swiglu(x, counts, w1, w2, w3, align: int = 1) -> torch.Tensor:
+def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     """All experts in three `torch._grouped_mm` calls (weights (experts, in, out)), groups delimited
-    by cumulative counts. With `align` > 1 each group is padded with zero rows to a multiple of it,
-    into a buffer of a size fixed by the shapes, so no host sync; padded rows are dropped from the output."""
-    if align > 1:
-        padded = (counts + align - 1) // align * align
-        shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # rows of padding before each group
-        rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, counts, output_size=x.shape[0])
-        buffer = x.new_zeros(x.shape[0] + counts.numel() * (align - 1), x.shape[1]).index_copy(0, rows, x)
-        offsets = torch.cumsum(padded, 0, dtype=torch.int32)
-        return _grouped_swiglu(buffer, offsets, w1, w2, w3)[rows]
-    return _grouped_swiglu(x, torch.cumsum(counts, 0, dtype=torch.int32), w1, w2, w3)
-
-
-def _grouped_swiglu(x, offsets, w1, w2, w3) -> torch.Tensor:
+    by cumulative counts. bf16 and fp32 grouped GEMMs take groups of any size: no padding (float8
+    ones would want each group's rows aligned to 16)."""
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     hidden = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
     return torch._grouped_mm(hidden, w2, offs=offsets)
 
