@@ -110,7 +110,7 @@ def experts_placement(expert_params: set, mesh: DeviceMesh):
     (dim 0) than ranks to shard them over, dim 1 (TorchTitan's rule) where the ranks divide it and
     expert TP has not split it: dim 0 would pad every rank to a whole expert (at 128 experts on 256
     ranks, twice the memory and all-gather bytes)."""
-    ranks = mesh.size(-1)
+    ranks = mesh.size(mesh.ndim - 1)  # the shard dim (HSDP: the second)
 
     def placement(param: nn.Parameter) -> Shard:
         local = param.to_local() if isinstance(param, DTensor) else param

@@ -74,8 +74,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             loss -= grad[picked, y_c].sum()
             if with_grad:
                 grad.exp_()[picked, y_c] -= 1
-                grad_h[rows] = (grad.to(weight.dtype) @ weight).to(h.dtype)
-                grad_w.addmm_(grad.t(), h_c.float())
+                grad = grad.to(weight.dtype)  # the matmuls in the weight's dtype (bf16 on GPUs), summed in fp32
+                grad_h[rows] = (grad @ weight).to(h.dtype)
+                grad_w += grad.t() @ h_c.to(weight.dtype)
         if with_grad:
             ctx.save_for_backward(grad_h.view_as(hidden), grad_w)
             ctx.weight_dtype = weight.dtype
