@@ -195,9 +195,9 @@ class MoE(nn.Module):
         if self.score_before_experts:
             copies = (copies.float() * weights.flatten()[order].unsqueeze(-1)).to(flat.dtype)
         routed = self.experts(copies, counts)
-        # Back in token order (a permutation), then each token's k outputs weighted in fp32 and summed in a
-        # fixed order: no scatter-add, whose atomics on CUDA sum in any order.
-        by_token = routed[order.argsort()].view(-1, self.top_k, dim).float()
+        # Back in token order (a permutation: each row written once), then each token's k outputs weighted
+        # in fp32 and summed in a fixed order: no scatter-add, whose atomics on CUDA sum in any order.
+        by_token = torch.empty_like(routed).index_copy_(0, order, routed).view(-1, self.top_k, dim).float()
         if not self.score_before_experts:
             by_token = by_token * weights.unsqueeze(-1)
         out = by_token.sum(dim=1).to(flat.dtype)
