@@ -94,6 +94,9 @@ PRESETS = {
         Run("moe_qwen3_30b_a3b_bf16_compile", 1, GPU_MOE_SHAPE + COMPILE),
         # The output projection and loss at Qwen3's 152K vocabulary, 8 pieces of tokens at a time.
         Run("moe_qwen3_30b_a3b_bf16_compile_loss_chunks8", 1, GPU_MOE_SHAPE + COMPILE + ["--training.loss_chunks", "8"]),
+        # The routed experts' grouped GEMMs in float8 (rowwise, torch._scaled_grouped_mm).
+        Run("moe_qwen3_30b_a3b_bf16_compile_float8_grouped", 1, GPU_MOE_SHAPE + COMPILE + [
+            "--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"]),
         Run("dsv3_debug_bf16_compile", 1, DSV3 + COMPILE + ["--training.seq_len", "4096", "--training.local_batch_size", "8"]),
         Run("dsv3_16b_4_blocks_bf16_compile", 1, GPU_DSV3_SHAPE + COMPILE),
         # The issue's row: Llama 4's debug model in bf16 on FlexAttention (chunked block masks), seq 8192.

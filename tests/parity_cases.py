@@ -5,6 +5,7 @@ from __future__ import annotations
 
 TP = "--parallelism.tensor_parallel_degree"
 F8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
+F8_GROUPED = ["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"]
 PP = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
 
 
@@ -129,6 +130,9 @@ CASES_MOE_2 = {
     # Compiled attention and dense FFNs (MoE layers stay eager); float8 on the dense linears.
     "moe_ep2_compile": MOE + [EP, "2", "--compile.enable"],
     "moe_ep2_float8": MOE + F8 + [EP, "2"],
+    # Float8 grouped GEMMs for the routed experts (rowwise, emulated on CPU).
+    "moe_fsdp2_float8_grouped": MOE + F8_GROUPED,
+    "moe_ep2_float8_grouped": MOE + F8_GROUPED + [EP, "2"],
     # Tensor parallel: attention split by heads, each tp rank routing its sequence shard (EP borrows tp).
     "moe_tp2_separate_projections": MOE + [TP, "2", "--model.fused_projections", "false"],
     "moe_ep2_tp2_aux": MOE_SIGMOID_AUX + [EP, "2", TP, "2"],

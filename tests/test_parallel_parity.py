@@ -126,9 +126,8 @@ def global_forwards(trainer, config) -> list[torch.Tensor]:
 
 
 def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_running: bool = False) -> dict:
-    from titanlite.config import float8_recipe, parse_args
+    from titanlite.config import parse_args
     from titanlite.data.dataset import build_dataloader
-    from titanlite.float8 import convert_to_float8
     from titanlite.loss import cross_entropy_sum  # the trainer's (test_loss.py holds it to torch's)
     from titanlite.models.common.fqn import canonical_fqn
     from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
@@ -151,8 +150,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     ref_moe = trainer.plan.moe_layers(reference)
     forwards = global_forwards(trainer, config)
     set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len, len(forwards))
-    if config.float8:
-        convert_to_float8(reference, float8_recipe(config.float8), trainer.converters[0].filter_fqns(trainer.plan), config.float8.emulate)
+    for converter in trainer.converters:  # float8: the same modules converted, by the trainer's own filters
+        converter.convert(reference, trainer.plan)
     ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
         reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
     )
@@ -185,7 +184,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs, bos)[0 if objective else 1]
         if not trainer.document_masking:
             return cross_entropy_sum(reference(x), y)
-        if config.float8 or trainer.aux_loss_on:
+        if trainer.converters or trainer.aux_loss_on:
             return cross_entropy_sum(reference(x, **token_inputs_by_hand(x, bos_id, config.model.reset_position_ids)), y)
         total = torch.zeros(())
         for row, window in enumerate(x):
@@ -214,7 +213,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             loss += trainer.mtp_loss_weight * trainer.global_loss(trainer.mtp_loss)
         # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
         # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
-        rows = t.local_batch_size if config.float8 else len(inputs)
+        rows = t.local_batch_size if trainer.converters else len(inputs)
         pieces = [(inputs[r], labels[r]) for r in forwards] if len(forwards) > 1 else zip(inputs.split(rows), labels.split(rows))
         ref_loss = sum(reference_loss(x, y) for x, y in pieces) / labels.numel()
         ref_loss.backward()

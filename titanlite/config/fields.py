@@ -30,6 +30,6 @@ def section(cls):
 
 
 # What to use instead, for keys whose feature titanlite lacks.
-NO_MOE = "titanlite's MoE family does not have it yet (its routed experts run in high precision, without DualPipeV overlap)"
+NO_MOE = "titanlite's MoE family does not have it yet"
 NO_TORCHFT = "titanlite has no TorchFT integration; restarts resume from checkpoints (MAX_RESTARTS)"
 NO_MX = "MX formats are not implemented; use model.converters = [\"float8\"]"

@@ -79,7 +79,7 @@ class Model:
         "model converters, applied before parallelism: 'quantize.linear.float8' (TorchTitan's name) or 'float8' (the "
         "name its configs use), set in [quantize.linear.float8]",
         choices=FLOAT8_CONVERTERS + ("quantize.linear.mx", "quantize.grouped_mm.float8", "quantize.grouped_mm.mx"),
-        unsupported={"quantize.linear.mx": NO_MX, "quantize.grouped_mm.float8": NO_MOE, "quantize.grouped_mm.mx": NO_MOE},
+        unsupported={"quantize.linear.mx": NO_MX, "quantize.grouped_mm.mx": NO_MX},
     )
     print_after_conversion: bool = opt(False, "print the model after the converters")
     n_layers: int = opt(
@@ -348,7 +348,10 @@ class Float8Linear:
 
 @dataclass
 class Float8GroupedMM:
-    fqns: list[str] = opt([], "MoE layers whose grouped GEMMs run in float8", not_implemented=NO_MOE)
+    fqns: list[str] = opt(
+        [], "with model.converters 'quantize.grouped_mm.float8': the MoE modules (names containing one of these, e.g. "
+        "'experts') whose routed experts' grouped GEMMs run in float8 (rowwise; emulated in fp32 off CUDA)"
+    )
 
 
 @dataclass
@@ -360,8 +363,8 @@ class MXLinear:
 
 @dataclass
 class MXGroupedMM:
-    recipe_name: str = opt("mxfp8", "MX recipe of grouped GEMMs", not_implemented=NO_MOE)
-    fqns: list[str] = opt([], "MoE layers whose grouped GEMMs run in MX", not_implemented=NO_MOE)
+    recipe_name: str = opt("mxfp8", "MX recipe of grouped GEMMs", not_implemented=NO_MX)
+    fqns: list[str] = opt([], "MoE layers whose grouped GEMMs run in MX", not_implemented=NO_MX)
 
 
 @dataclass

@@ -108,6 +108,15 @@ def validate(config: JobConfig) -> None:
         len(set(converters)) == len(converters) and len(set(FLOAT8_CONVERTERS) & set(converters)) <= 1,
         f"model.converters={converters} names a converter twice ('float8' is 'quantize.linear.float8'); list each once",
     )
+    if "quantize.grouped_mm.float8" in converters:
+        fqns = config.quantize.grouped_mm.float8.fqns
+        _require(bool(fqns), "model.converters has 'quantize.grouped_mm.float8' but quantize.grouped_mm.float8.fqns is empty; "
+                 "name the MoE modules, e.g. --quantize.grouped_mm.float8.fqns experts")
+        _require(
+            p.expert_tensor_parallel_degree == 1,
+            f"quantize.grouped_mm.float8 with expert_tensor_parallel_degree={p.expert_tensor_parallel_degree}: expert TP "
+            "splits the experts' hidden dim, which float8's rowwise scales run along; set expert_tensor_parallel_degree=1",
+        )
     f8 = config.float8
     if f8 is not None:
         _require(

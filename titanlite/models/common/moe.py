@@ -85,10 +85,14 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w2, w3 as (experts, in, out) views in `dtype`, column-major: the layout CUDA's grouped
+        GEMMs take their second operand in."""
+        return tuple(local_shard(w).to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
-        # (experts, in, out) views, column-major: the layout CUDA's grouped GEMM takes its second operand in.
-        w1, w2, w3 = (local_shard(w).to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = self.weights(dtype)
         if self.kernel == "loop":
             return looped_swiglu(x.to(dtype), counts, w1, w2, w3).to(x.dtype)
         return grouped_swiglu(x.to(dtype), counts, w1, w2, w3).to(x.dtype)
