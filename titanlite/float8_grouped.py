@@ -95,7 +95,7 @@ def scaled_grouped_mm(a8, a_scale, b8, b_scale, ends, out_dtype: torch.dtype, em
         a, b = dequantize(a8, a_scale, torch.float32), dequantize(b8, b_scale, torch.float32)
         return torch._grouped_mm(a, b, offs=ends).to(out_dtype)
     return torch._scaled_grouped_mm(
-        a8, column_major(b8), a_scale.reciprocal().flatten(), b_scale.reciprocal().flatten(1), offs=ends,
+        a8.contiguous(), column_major(b8), a_scale.reciprocal().flatten(), b_scale.reciprocal().flatten(1), offs=ends,
         out_dtype=out_dtype,
     )
 
