@@ -59,13 +59,13 @@ def main() -> int:
               "router_topk_equals_fp64": router_equal, "bitwise_repeatable": deterministic,
               "grouped_vs_loop_max_rel": grouped_vs_loop, **float8}
     print(json.dumps(result), flush=True)
-    return 0 if router_equal and deterministic and grouped_vs_loop < 0.02 and float8["float8_vs_emulated_max_rel"] < 0.02 else 1
+    return 0 if router_equal and deterministic and grouped_vs_loop < 0.02 and max(float8["float8_vs_emulated_l2_rel"]) < 0.02 else 1
 
 
 def float8_check(flat: torch.Tensor, chosen: torch.Tensor, moe: MoE) -> dict:
     """Float8 grouped GEMMs at Qwen3-30B-A3B's expert shape (dim 2048, hidden 768): the SwiGLU of 16
     experts on 4,096 rows through torch._scaled_grouped_mm against its emulation on the CPU, outputs
-    and gradients; then forward + backward times of float8 and bf16 grouped GEMMs on the layer's
+    and gradients (relative L2); then forward + backward times of float8 and bf16 grouped GEMMs on the layer's
     routed copies of all its tokens, 128 experts (ms, median of 10)."""
     def weights(experts: int, device) -> list[torch.Tensor]:
         torch.manual_seed(1)
@@ -85,7 +85,9 @@ def float8_check(flat: torch.Tensor, chosen: torch.Tensor, moe: MoE) -> dict:
     copies, stored = flat[:4096], weights(16, "cpu")
     real = run(float8(False), copies, counts, stored, flat.device)
     emulated = run(float8(True), copies, counts, stored, torch.device("cpu"))
-    worst = max(((a.float().cpu() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(real, emulated))
+    # Float8 rounding is discontinuous: a bf16 ulp apart upstream flips some roundings downstream, so
+    # the tensors are compared in L2 (output, x grad, w1, w2, w3 grads).
+    l2 = [((a.float().cpu() - b.float()).norm() / b.float().norm()).item() for a, b in zip(real, emulated)]
     finite = all(torch.isfinite(t).all().item() for t in real)
 
     order = chosen.flatten().argsort(stable=True)
@@ -103,7 +105,7 @@ def float8_check(flat: torch.Tensor, chosen: torch.Tensor, moe: MoE) -> dict:
             times.append(start.elapsed_time(end))
         return sorted(times[2:])[len(times[2:]) // 2]
 
-    return {"float8_vs_emulated_max_rel": worst if finite else float("inf"),
+    return {"float8_vs_emulated_l2_rel": [round(e, 5) for e in l2] if finite else [float("inf")],
             "float8_grouped_fwd_bwd_ms": ms(float8(False)), "bf16_grouped_fwd_bwd_ms": ms(grouped_swiglu),
             "routed_rows": int(counts.sum())}
 

@@ -30,7 +30,7 @@ GROUP_ALIGN = 16
 
 def padded_layout(counts: torch.Tensor, rows: int, align: int = GROUP_ALIGN):
     """For `rows` tokens grouped by expert (`counts` each): (each token's row in the padded buffer,
-    the padded groups' ends (int32), each buffer row's expert, the buffer's rows)."""
+    the padded groups' ends (int32), the expert of each block of `align` rows, the buffer's rows)."""
     experts, device = counts.numel(), counts.device
     capacity = -(-(rows + experts * (align - 1)) // align) * align
     padded = (counts + align - 1) // align * align
@@ -40,8 +40,8 @@ def padded_layout(counts: torch.Tensor, rows: int, align: int = GROUP_ALIGN):
     expert_of_token = torch.repeat_interleave(torch.arange(experts, device=device), counts, output_size=rows)
     within_group = torch.arange(rows, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of_token]
     position = starts[expert_of_token] + within_group
-    expert_of_row = torch.bucketize(torch.arange(capacity, device=device), ends, right=True)
-    return position, ends.to(torch.int32), expert_of_row, capacity
+    expert_of_block = torch.bucketize(torch.arange(0, capacity, align, device=device), ends, right=True)
+    return position, ends.to(torch.int32), expert_of_block, capacity
 
 
 class _PlaceRows(torch.autograd.Function):
@@ -79,13 +79,26 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-2) == 1 else t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-def quantize_by_expert(t: torch.Tensor, expert_of_row: torch.Tensor, experts: int):
+def quantize_by_expert(t: torch.Tensor, expert_of_block: torch.Tensor, experts: int):
     """Float8 e4m3 of `t` (rows, C) with one power-of-two scale per (expert, column): the amax over
-    that expert's rows. Returns (data, scales (experts, C))."""
-    index = expert_of_row.unsqueeze(1).expand(-1, t.shape[1])
-    amax = t.new_zeros(experts, t.shape[1], dtype=torch.float32).scatter_reduce_(0, index, t.abs().float(), "amax")
+    that expert's rows, taken per block of GROUP_ALIGN rows first (a block lies in one expert's
+    group). Returns (data, scales (experts, C))."""
+    blocks = t.view(-1, GROUP_ALIGN, t.shape[1])
+    block_amax = blocks.abs().amax(1).float()
+    index = expert_of_block.unsqueeze(1).expand(-1, t.shape[1])
+    amax = block_amax.new_zeros(experts, t.shape[1]).scatter_reduce_(0, index, block_amax, "amax")
     scale = scale_from_amax(amax, E4M3, power_of_2=True)
-    return to_float8(t, scale[expert_of_row], E4M3), scale
+    return to_float8(blocks, scale[expert_of_block].unsqueeze(1), E4M3).view_as(t), scale
+
+
+def rowwise(t: torch.Tensor, dim: int):
+    return quantize(t, E4M3, dim, power_of_2=True)
+
+
+# On CUDA each cast runs as one fused kernel (eager, it is five passes over the tensor); dynamic:
+# the rows vary from step to step under expert parallel.
+fused_rowwise = torch.compile(rowwise, dynamic=True)
+fused_quantize_by_expert = torch.compile(quantize_by_expert, dynamic=True)
 
 
 def scaled_grouped_mm(a8, a_scale, b8, b_scale, ends, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
@@ -100,10 +113,11 @@ def scaled_grouped_mm(a8, a_scale, b8, b_scale, ends, out_dtype: torch.dtype, em
     )
 
 
-def scaled_grouped_mm_over_rows(a8, a_scale, b8, b_scale, expert_of_row, ends, out_dtype, emulate) -> torch.Tensor:
+def scaled_grouped_mm_over_rows(a8, a_scale, b8, b_scale, expert_of_block, ends, out_dtype, emulate) -> torch.Tensor:
     """Per expert e, (a_e / a_scale[e])^T @ (b_e / b_scale[e]) over its rows: a (rows, K), b (rows, N),
     scales (experts, K) and (experts, N). Returns (experts, K, N)."""
     if emulate:
+        expert_of_row = expert_of_block.repeat_interleave(GROUP_ALIGN)
         a = dequantize(a8, a_scale[expert_of_row], torch.float32)
         b = dequantize(b8, b_scale[expert_of_row], torch.float32)
         return torch._grouped_mm(a.t(), b, offs=ends).to(out_dtype)
@@ -117,33 +131,36 @@ class _Float8GroupedMM(torch.autograd.Function):
     """x (rows, K) @ w[e] (K, N) for each expert's rows (groups ending at `ends`), in float8."""
 
     @staticmethod
-    def forward(ctx, x, w, ends, expert_of_row, emulate: bool):
-        ctx.save_for_backward(x, w, ends, expert_of_row)
+    def forward(ctx, x, w, ends, expert_of_block, emulate: bool):
+        ctx.save_for_backward(x, w, ends, expert_of_block)
         ctx.emulate = emulate
-        x8, x_scale = quantize(x, E4M3, -1, power_of_2=True)
-        w8, w_scale = quantize(w, E4M3, -2, power_of_2=True)
+        cast = rowwise if emulate else fused_rowwise
+        x8, x_scale = cast(x, -1)
+        w8, w_scale = cast(w, -2)
         return scaled_grouped_mm(x8, x_scale, w8, w_scale, ends, x.dtype, emulate)
 
     @staticmethod
     def backward(ctx, grad):
-        x, w, ends, expert_of_row = ctx.saved_tensors
-        g8, g_scale = quantize(grad, E4M3, -1, power_of_2=True)
-        wt8, wt_scale = quantize(w.transpose(-2, -1), E4M3, -2, power_of_2=True)
-        grad_x = scaled_grouped_mm(g8, g_scale, wt8, wt_scale, ends, grad.dtype, ctx.emulate)
-        experts = w.shape[0]
-        x8, x_scale = quantize_by_expert(x, expert_of_row, experts)
-        g8, g_scale = quantize_by_expert(grad, expert_of_row, experts)
-        grad_w = scaled_grouped_mm_over_rows(x8, x_scale, g8, g_scale, expert_of_row, ends, grad.dtype, ctx.emulate)
+        x, w, ends, expert_of_block = ctx.saved_tensors
+        emulate = ctx.emulate
+        cast, cast_by_expert = (rowwise, quantize_by_expert) if emulate else (fused_rowwise, fused_quantize_by_expert)
+        grad = grad.contiguous()
+        g8, g_scale = cast(grad, -1)
+        wt8, wt_scale = cast(w.transpose(-2, -1), -2)
+        grad_x = scaled_grouped_mm(g8, g_scale, wt8, wt_scale, ends, grad.dtype, emulate)
+        x8, x_scale = cast_by_expert(x, expert_of_block, w.shape[0])
+        g8, g_scale = cast_by_expert(grad, expert_of_block, w.shape[0])
+        grad_w = scaled_grouped_mm_over_rows(x8, x_scale, g8, g_scale, expert_of_block, ends, grad.dtype, emulate)
         return grad_x, grad_w.to(w.dtype), None, None, None
 
 
 def float8_grouped_swiglu(x, counts, w1, w2, w3, emulate: bool) -> torch.Tensor:
     """The experts' SwiGLU (weights (experts, in, out)) on tokens grouped by expert, every GEMM in float8."""
-    position, ends, expert_of_row, capacity = padded_layout(counts, x.shape[0])
+    position, ends, expert_of_block, capacity = padded_layout(counts, x.shape[0])
     padded = _PlaceRows.apply(x, position, capacity)
 
     def mm(a, w):
-        return _Float8GroupedMM.apply(a, w, ends, expert_of_row, emulate)
+        return _Float8GroupedMM.apply(a, w, ends, expert_of_block, emulate)
 
     hidden = F.silu(mm(padded, w1)) * mm(padded, w3)
     return _TakeRows.apply(mm(hidden, w2), position)
