@@ -348,10 +348,7 @@ class Float8Linear:
 
 @dataclass
 class Float8GroupedMM:
-    fqns: list[str] = opt(
-        [], "with model.converters 'quantize.grouped_mm.float8': the MoE modules (names containing one of these, e.g. "
-        "'experts') whose routed experts' grouped GEMMs run in float8 (rowwise; emulated in fp32 off CUDA)"
-    )
+    fqns: list[str] = opt([], "MoE modules (name substrings, e.g. experts) whose routed experts run float8 grouped GEMMs")
 
 
 @dataclass
