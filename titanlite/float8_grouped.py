@@ -19,6 +19,8 @@ last expert's group takes the rows left over (zeros in, zeros out: no row is lef
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -95,10 +97,12 @@ def rowwise(t: torch.Tensor, dim: int):
     return quantize(t, E4M3, dim, power_of_2=True)
 
 
-# On CUDA each cast runs as one fused kernel (eager, it is five passes over the tensor); dynamic:
-# the rows vary from step to step under expert parallel.
-fused_rowwise = torch.compile(rowwise, dynamic=True)
-fused_quantize_by_expert = torch.compile(quantize_by_expert, dynamic=True)
+@functools.cache
+def fused_casts():
+    """(rowwise, quantize_by_expert), each compiled to one kernel for CUDA (eager, a cast is six
+    kernels); dynamic: the rows vary from step to step under expert parallel. Built at first use:
+    importing the compiler costs every process a second and a half."""
+    return torch.compile(rowwise, dynamic=True), torch.compile(quantize_by_expert, dynamic=True)
 
 
 def scaled_grouped_mm(a8, a_scale, b8, b_scale, ends, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
@@ -134,7 +138,7 @@ class _Float8GroupedMM(torch.autograd.Function):
     def forward(ctx, x, w, ends, expert_of_block, emulate: bool):
         ctx.save_for_backward(x, w, ends, expert_of_block)
         ctx.emulate = emulate
-        cast = rowwise if emulate else fused_rowwise
+        cast = rowwise if emulate else fused_casts()[0]
         x8, x_scale = cast(x, -1)
         w8, w_scale = cast(w, -2)
         return scaled_grouped_mm(x8, x_scale, w8, w_scale, ends, x.dtype, emulate)
@@ -143,7 +147,7 @@ class _Float8GroupedMM(torch.autograd.Function):
     def backward(ctx, grad):
         x, w, ends, expert_of_block = ctx.saved_tensors
         emulate = ctx.emulate
-        cast, cast_by_expert = (rowwise, quantize_by_expert) if emulate else (fused_rowwise, fused_quantize_by_expert)
+        cast, cast_by_expert = (rowwise, quantize_by_expert) if emulate else fused_casts()
         grad = grad.contiguous()
         g8, g_scale = cast(grad, -1)
         wt8, wt_scale = cast(w.transpose(-2, -1), -2)
