@@ -226,6 +226,10 @@ CASES_DSV3_2 = {
     "dsv3_tp2_no_mtp": DSV3 + [TP, "2", "--model.flavor_overrides", "mtp_depth=0"],
     "dsv3_pp2_zbvzerobubble": DSV3 + PP + schedule("ZBVZeroBubble"),
     "dsv3_pp2_dualpipev": DSV3 + PP + schedule("DualPipeV"),
+    # The chunked loss with multi-token prediction: each depth's loss chunked too, its labels past the window left out.
+    "dsv3_fsdp2_chunked_loss": DSV3 + CHUNKED_LOSS,
+    "dsv3_pp2_1f1b_chunked_loss": DSV3 + CHUNKED_LOSS + PP + schedule("1F1B"),
+    "dsv3_doc_cp2_chunked_loss": DSV3 + CHUNKED_LOSS + BC + [CP, "2"],
 }
 CASES_DSV3_4 = {
     "dsv3_ep2_fsdp2": DSV3 + [EP, "2"],

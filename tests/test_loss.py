@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlite.loss import cross_entropy_sum
+from titanlite.loss import IGNORED, cross_entropy_sum
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
@@ -131,8 +131,9 @@ def test_vocab_parallel_cross_entropy_is_exact_at_every_slice_boundary():
 @pytest.mark.parametrize("chunks", [1, 3, 8])
 def test_chunked_output_and_loss_equal_torchs_on_the_whole_logits(chunks):
     """OutputProjection given labels: the summed cross entropy of its logits, computed a piece of the
-    tokens at a time; loss and the gradients of the hidden state and the weight within 1e-6 of
-    F.linear + F.cross_entropy on the whole logits (here scaled by a loss gradient of 0.5)."""
+    tokens at a time, IGNORED labels left out; loss and the gradients of the hidden state and the
+    weight within 1e-6 of F.linear + F.cross_entropy on the whole logits (here scaled by a loss
+    gradient of 0.5)."""
     from titanlite.models.common.linear import OutputProjection
 
     gen = torch.Generator().manual_seed(0)
@@ -141,6 +142,7 @@ def test_chunked_output_and_loss_equal_torchs_on_the_whole_logits(chunks):
         output.weight.copy_(torch.randn(1000, 32, generator=gen) * 0.2)
     hidden = torch.randn(3, 17, 32, generator=gen, requires_grad=True)  # 51 tokens: uneven pieces
     labels = torch.randint(0, 1000, (3, 17), generator=gen)
+    labels[:, -2:] = IGNORED  # multi-token prediction's labels past the window: out of the loss and its gradients
     expected = F.cross_entropy(F.linear(hidden, output.weight).flatten(0, 1), labels.flatten(), reduction="sum")
     grads = torch.autograd.grad(0.5 * expected, (hidden, output.weight))
     output.loss_chunks = chunks

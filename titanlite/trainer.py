@@ -118,9 +118,6 @@ class Trainer:
         self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
         self.replays = [replay for part in self.model_parts for replay in replays(part)]
         self.chunked_loss = t.loss_chunks > 1  # the model returns the summed loss of labels it is given
-        if self.chunked_loss and getattr(args, "mtp_depth", 0):
-            raise ConfigError(f"training.loss_chunks={t.loss_chunks} with multi-token prediction (mtp_depth={args.mtp_depth}): "
-                              "not yet; set training.loss_chunks=1 or model.flavor_overrides mtp_depth=0")
         for output in (m for part in self.model_parts for m in part.modules() if isinstance(m, OutputProjection)):
             output.loss_chunks = t.loss_chunks
         if self.moe_layers and device.type != "meta":
@@ -243,15 +240,18 @@ class Trainer:
         window's tokens); in evaluation it returns its own logits alone."""
         if self.mtp_depth:
             labels, depth_labels = labels[..., 0], labels[..., 1:]
-        if self.chunked_loss:  # the model's own loss, summed (OutputProjection)
-            return output / self.loss_scale
-        if not isinstance(output, tuple):
-            return local_value(self.cross_entropy(output, labels)) / self.loss_scale
-        logits, *predictions = output
-        depths = [local_value(self.cross_entropy(p, depth_labels[..., k], masked=True)) for k, p in enumerate(predictions)]
+        if not isinstance(output, tuple):  # chunked: the model's own loss, summed (OutputProjection)
+            own = output if self.chunked_loss else local_value(self.cross_entropy(output, labels))
+            return own / self.loss_scale
+        if self.chunked_loss:  # each depth's summed loss, IGNORED labels left out
+            own, *depths = output
+        else:
+            logits, *predictions = output
+            own = local_value(self.cross_entropy(logits, labels))
+            depths = [local_value(self.cross_entropy(p, depth_labels[..., k], masked=True)) for k, p in enumerate(predictions)]
         mtp = sum(depths) / len(depths)
         self.mtp_loss += mtp.detach() / self.loss_scale
-        return (local_value(self.cross_entropy(logits, labels)) + self.mtp_loss_weight * mtp) / self.loss_scale
+        return (own + self.mtp_loss_weight * mtp) / self.loss_scale
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:
         """Loss of one microbatch (its part of the global mean; 0 on pipeline ranks without the last

@@ -40,6 +40,9 @@ class _ConcatenatedLinear(torch.autograd.Function):
         return grad_x, *grad_weight.split([w.shape[0] for w in weights])
 
 
+IGNORE_INDEX = -100  # a label that does not count: F.cross_entropy's default, titanlite.loss.IGNORED
+
+
 class OutputProjection(nn.Linear):
     """The output layer (hidden -> vocabulary logits). Given the labels too, it returns their summed
     cross entropy instead, computed `loss_chunks` pieces of tokens at a time so that the whole logits
@@ -69,11 +72,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(y), device=y.device).chunk(chunks):
             h_c, y_c = h[rows], y[rows]
+            counted = y_c != IGNORE_INDEX  # multi-token prediction's labels past the window do not count
+            y_c = y_c.clamp(min=0)
             grad = torch.log_softmax(F.linear(h_c, weight).float(), dim=-1)
             picked = torch.arange(len(y_c), device=y.device)
-            loss -= grad[picked, y_c].sum()
+            loss -= (grad[picked, y_c] * counted).sum()
             if with_grad:
                 grad.exp_()[picked, y_c] -= 1
+                grad.mul_(counted.unsqueeze(1))
                 grad = grad.to(weight.dtype)  # the matmuls in the weight's dtype (bf16 on GPUs), summed in fp32
                 grad_h[rows] = (grad @ weight).to(h.dtype)
                 grad_w += grad.t() @ h_c.to(weight.dtype)

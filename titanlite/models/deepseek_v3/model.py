@@ -121,7 +121,8 @@ class DeepSeekV3Transformer(Transformer):
 
     def forward(self, tokens, future=None, positions=None, document_ids=None, future_tokens=None, labels=None):
         """`future`: on a later pipeline stage, the future tokens' embeddings from the one before.
-        `labels`: the summed loss instead of the logits (without multi-token prediction)."""
+        `labels`: the summed losses instead of the logits (the chunked loss): labels (b, s, 1 + depth)
+        give the model's own loss and, in training, each MTP depth's."""
         if self.args.mtp_depth == 0:
             return super().forward(tokens, positions, document_ids, labels)
         h = tokens
@@ -132,13 +133,17 @@ class DeepSeekV3Transformer(Transformer):
             h = layer(h, rope, mask)
         if self.output is None:
             return h, future
+
+        def depth_labels(k: int):
+            return None if labels is None else labels[..., k]
+
         h = self.norm(h)
-        outputs = [self.output(h)]
+        outputs = [self.output(h, depth_labels(0))]
         if not self.training:  # evaluation: the model's own prediction
             return outputs[0]
         for k, module in self.mtp.items():
             h = module.norm(module(h, future[:, :, int(k)], rope, mask))
-            outputs.append(self.output(h))
+            outputs.append(self.output(h, depth_labels(int(k) + 1)))
         return tuple(outputs)
 
     def init_std(self, fqn: str) -> float | None:
