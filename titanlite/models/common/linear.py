@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from titanlite.loss import counted_labels
+
 
 class FusedLinear(nn.Module):
     """Bias-free linears that read the same input, as one matmul: `forward(x, *weights)` returns one
@@ -40,9 +42,6 @@ class _ConcatenatedLinear(torch.autograd.Function):
         return grad_x, *grad_weight.split([w.shape[0] for w in weights])
 
 
-IGNORE_INDEX = -100  # a label that does not count: F.cross_entropy's default, titanlite.loss.IGNORED
-
-
 class OutputProjection(nn.Linear):
     """The output layer (hidden -> vocabulary logits). Given the labels too, it returns their summed
     cross entropy instead, computed `loss_chunks` pieces of tokens at a time so that the whole logits
@@ -71,9 +70,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in torch.arange(len(y), device=y.device).chunk(chunks):
-            h_c, y_c = h[rows], y[rows]
-            counted = y_c != IGNORE_INDEX  # multi-token prediction's labels past the window do not count
-            y_c = y_c.clamp(min=0)
+            h_c = h[rows]
+            counted, y_c = counted_labels(y[rows], masked=True)  # MTP's labels past the window do not count
             grad = torch.log_softmax(F.linear(h_c, weight).float(), dim=-1)
             picked = torch.arange(len(y_c), device=y.device)
             loss -= (grad[picked, y_c] * counted).sum()
