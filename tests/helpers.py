@@ -43,6 +43,31 @@ def tiny_args(dataset: Path, dump_folder: Path, *extra: str) -> list[str]:
     ]
 
 
+def train_losses(config_file: str, steps: int, runs: dict[str, list[str]], dump_folder: str) -> dict[str, list[float]]:
+    """Each run's logged loss per step: `steps` steps of train_configs/`config_file` on its built-in
+    corpus (seq 64, batch 4, the same batches for every run) with the run's extra args."""
+    import json
+
+    import torch
+
+    from titanlite.config import parse_args
+    from titanlite.train import train
+    from titanlite.trainer import Trainer
+
+    losses = {}
+    for name, extra in runs.items():
+        config = parse_args([
+            "--job.config_file", str(REPO / "train_configs" / config_file),
+            "--job.dump_folder", f"{dump_folder}/{name}", "--training.steps", str(steps), "--training.seq_len", "64",
+            "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1",
+            "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--metrics.peak_flops", "1e12", *extra,
+        ])
+        train(Trainer(config, torch.device("cpu")))
+        rows = [json.loads(line) for line in open(f"{dump_folder}/{name}/metrics.jsonl")]
+        losses[name] = [r["loss"] for r in rows if "loss" in r]
+    return losses
+
+
 def run_command(cmd: list[str], timeout: float = 300, **kwargs):
     """subprocess.run in its own process group, killed whole on timeout (torchrun's workers too)."""
     import os

@@ -4,14 +4,12 @@ test_parallel_parity.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import nn
 
 from distributed import run_distributed
-from helpers import REPO
+from helpers import train_losses
 from titanlite.float8 import (
     E4M3,
     E5M2,
@@ -102,33 +100,15 @@ def test_which_linears_convert():
     assert convert_to_float8(odd, "rowwise", [], emulate=True) == ["2"]  # 24 % 16 != 0; a bias
 
 
-def train_losses(recipes: list[str], dump_folder: str) -> dict:
-    from titanlite.config import parse_args
-    from titanlite.train import train
-    from titanlite.trainer import Trainer
-
-    losses = {}
-    for recipe in recipes:
-        extra = [] if recipe == "none" else ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", recipe]
-        config = parse_args([
-            "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-            "--job.dump_folder", f"{dump_folder}/{recipe}", "--training.steps", "20", "--training.seq_len", "64",
-            "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1",
-            "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--metrics.peak_flops", "1e12", *extra,
-        ])
-        train(Trainer(config, torch.device("cpu")))
-        rows = [json.loads(line) for line in open(f"{dump_folder}/{recipe}/metrics.jsonl")]
-        losses[recipe] = [r["loss"] for r in rows if "loss" in r]
-    return losses
-
-
 @pytest.mark.slow
 @pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_float8_recipes_train_like_fp32_on_the_default_data(tmp_path):
     """20 steps of the debug model on the built-in corpus (same batches for all): the mean loss of
     the last 5 steps of each recipe is within 3% of fp32's (scripts/loss_compare.py runs the long
     comparison and plots it)."""
-    losses = run_distributed(train_losses, 1, ["none", *RECIPES], str(tmp_path))[0]
+    emulated = ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name"]
+    runs = {"none": [], **{recipe: [*emulated, recipe] for recipe in RECIPES}}
+    losses = run_distributed(train_losses, 1, "debug_model.toml", 20, runs, str(tmp_path))[0]
     end = {recipe: sum(curve[-5:]) / 5 for recipe, curve in losses.items()}
     assert end["none"] < losses["none"][0] - 1.5, losses["none"]  # it learned (starts near ln 8192 = 9.0)
     for recipe in RECIPES:

@@ -4,14 +4,12 @@ fp32), which experts convert, and 60 training steps against fp32 (layout parity:
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from helpers import REPO
+from helpers import train_losses
 from titanlite.float8 import RECIPES, Float8Linear
 from titanlite.float8_grouped import GROUP_ALIGN, Float8GroupedExperts, float8_grouped_swiglu, padded_layout
 
@@ -142,31 +140,12 @@ def test_the_converter_swaps_the_named_experts_only_and_refuses_a_name_that_matc
         build_converters(config)[0].convert(build_model("moe", args), FAMILIES["moe"].plan)
 
 
-def train_losses(runs: dict[str, list[str]], dump_folder: str) -> dict:
-    from titanlite.config import parse_args
-    from titanlite.train import train
-    from titanlite.trainer import Trainer
-
-    losses = {}
-    for name, extra in runs.items():
-        config = parse_args([
-            "--job.config_file", str(REPO / "train_configs" / "debug_moe.toml"),
-            "--job.dump_folder", f"{dump_folder}/{name}", "--training.steps", "60", "--training.seq_len", "64",
-            "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1",
-            "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--metrics.peak_flops", "1e12", *extra,
-        ])
-        train(Trainer(config, torch.device("cpu")))
-        rows = [json.loads(line) for line in open(f"{dump_folder}/{name}/metrics.jsonl")]
-        losses[name] = [r["loss"] for r in rows if "loss" in r]
-    return losses
-
-
 @pytest.mark.slow
 def test_float8_grouped_gemms_train_like_fp32_for_60_steps(tmp_path):
     """The MoE debug model on the built-in corpus, same batches: the mean loss of the last 10 of 60
     steps with float8 experts is within 3% of fp32's (on a GPU the comparison is against bf16 experts)."""
     runs = {"fp32": [], "float8": ["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"]}
-    losses = run_distributed(train_losses, 1, runs, str(tmp_path))[0]
+    losses = run_distributed(train_losses, 1, "debug_moe.toml", 60, runs, str(tmp_path))[0]
     assert len(losses["fp32"]) == len(losses["float8"]) == 60, {k: len(v) for k, v in losses.items()}
     assert all(torch.isfinite(torch.tensor(curve)).all() for curve in losses.values()), losses
     end = {name: sum(curve[-10:]) / 10 for name, curve in losses.items()}
