@@ -150,6 +150,8 @@ CASES_MOE_2 = {
     "pp2_1f1b_chunked_loss": CHUNKED_LOSS + PP + schedule("1F1B"),
     "cp2_chunked_loss": CHUNKED_LOSS + [CP, "2"],
     "moe_ep2_chunked_loss": CHUNKED_LOSS + MOE + [EP, "2"],
+    # Under TP each rank's rows of the output weight: the vocabulary split as loss parallel splits it.
+    "tp2_chunked_loss": CHUNKED_LOSS + [TP, "2", "--model.flavor", "debugmodel_gqa"],
 }
 CASES_MOE_4 = {
     "moe_ep2_fsdp2": MOE + [EP, "2"],
@@ -230,6 +232,7 @@ CASES_DSV3_2 = {
     "dsv3_fsdp2_chunked_loss": DSV3 + CHUNKED_LOSS,
     "dsv3_pp2_1f1b_chunked_loss": DSV3 + CHUNKED_LOSS + PP + schedule("1F1B"),
     "dsv3_doc_cp2_chunked_loss": DSV3 + CHUNKED_LOSS + BC + [CP, "2"],
+    "dsv3_tp2_chunked_loss": DSV3 + CHUNKED_LOSS + [TP, "2"],
 }
 CASES_DSV3_4 = {
     "dsv3_ep2_fsdp2": DSV3 + [EP, "2"],

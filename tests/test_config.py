@@ -155,8 +155,8 @@ def test_torchtitan_nested_sections_load(tmp_path):
         (["--compile.components", "model,optimizer"], ["compile.components", "'optimizer'", "model, loss"]),
         (["--model.converters", "float9"], ["model.converters=['float9']", "choose from: quantize.linear.float8, float8"]),
         (["--training.loss_chunks", "0"], ["training.loss_chunks=0", ">= 1"]),
-        (["--training.loss_chunks", "4", "--parallelism.tensor_parallel_degree", "2"],
-         ["training.loss_chunks=4 with tensor_parallel_degree=2", "set training.loss_chunks=1"]),
+        (["--training.loss_chunks", "4", "--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"],
+         ["training.loss_chunks=4 with parallelism.disable_loss_parallel=true", "set disable_loss_parallel=false or loss_chunks=1"]),
     ],
 )
 def test_bad_input_names_key_value_and_fix(args, words):

@@ -67,7 +67,7 @@ def _vocab_parallel_against_whole(vocab: int) -> tuple[float, float]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     split = distribute_tensor(whole.detach(), mesh, [Shard(-1)]).requires_grad_()
     ours = cross_entropy_sum(split, labels)
-    assert type(ours.grad_fn).__name__ == "VocabParallelCrossEntropyBackward"
+    assert type(ours.grad_fn).__name__ == "SummedCrossEntropyBackward"
     (ours / 3).backward()
     theirs = F.cross_entropy(whole.flatten(0, 1), labels.flatten(), reduction="sum")
     (theirs / 3).backward()
@@ -108,7 +108,7 @@ def _vocab_parallel_at_slice_boundaries(vocabs: tuple[int, ...]) -> list[tuple[i
         # The slice this rank holds is the one the test assumed.
         assert torch.equal(split.to_local(), whole.detach()[..., slices[rank]])
         ours = cross_entropy_sum(split, labels)
-        assert type(ours.grad_fn).__name__ == "VocabParallelCrossEntropyBackward"
+        assert type(ours.grad_fn).__name__ == "SummedCrossEntropyBackward"
         (ours / 3).backward()
         theirs = F.cross_entropy(whole.flatten(0, 1), labels.flatten(), reduction="sum")
         (theirs / 3).backward()
@@ -153,6 +153,67 @@ def test_chunked_output_and_loss_equal_torchs_on_the_whole_logits(chunks):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with torch.no_grad():  # evaluation: the loss alone
         assert output(hidden, labels).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def _chunked_vocab_parallel_against_whole(vocab: int) -> list[tuple[str, float, float, float]]:
+    """(input layout, loss difference, largest hidden-gradient and weight-gradient differences) of the
+    chunked loss with the output layer split over the vocabulary (the family's tp plan, sequence
+    parallel or not) against F.linear + F.cross_entropy on the whole logits; labels on every slice's
+    first and last id, and some IGNORED."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titanlite.models.common.linear import OutputProjection
+    from titanlite.parallel.tensor import OutputColwiseParallel
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ranks,))
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, 16, generator=gen) * 0.3
+    hidden = torch.randn(2, 12, 16, generator=gen)
+    boundaries = sorted({int(end) for ids in torch.arange(vocab).chunk(ranks) for end in (ids[0], ids[-1])})
+    labels = torch.randint(0, vocab, (24,), generator=gen)
+    labels[: len(boundaries)] = torch.tensor(boundaries)
+    labels[-3:] = IGNORED
+    labels = labels[torch.randperm(24, generator=gen)].view(2, 12)
+    whole_h, whole_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = F.cross_entropy(F.linear(whole_h, whole_w).flatten(0, 1), labels.flatten(), reduction="sum")
+    (expected / 3).backward()
+    results = []
+    for layout in (Shard(1), Replicate()):
+        output = OutputProjection(16, vocab, bias=False)
+        output.weight.data.copy_(weight)
+        output.loss_chunks = 3
+        parallelize_module(output, mesh, OutputColwiseParallel(input_layouts=layout, output_layouts=Shard(-1), use_local_output=False))
+        x = hidden.clone().requires_grad_()
+        shard = x.chunk(ranks, dim=1)[rank] if layout == Shard(1) else x
+        loss = output(shard, labels)
+        assert not isinstance(loss, DTensor) and loss.ndim == 0  # the loss, not the logits
+        (loss / 3).backward()
+        grad_h = x.grad.clone()
+        if layout == Shard(1):
+            dist.all_reduce(grad_h)  # each rank holds the rows of its sequence shard
+        results.append((
+            str(layout), abs(loss.item() - expected.item()) / expected.item(),
+            ((grad_h - whole_h.grad).abs().max() / whole_h.grad.abs().max()).item(),
+            ((output.weight.grad.full_tensor() - whole_w.grad).abs().max() / whole_w.grad.abs().max()).item(),
+        ))
+    return results
+
+
+@pytest.mark.slow
+def test_chunked_loss_under_loss_parallel_equals_torchs_on_the_whole_logits():
+    """3 ranks, vocabularies split evenly (99) and unevenly (100 = 34 + 34 + 32): the output layer given
+    labels under TP returns the loss of the whole vocabulary, and the gradients of the hidden state
+    (sequence-sharded or replicated) and of each rank's rows of the weight, within 1e-6."""
+    from distributed import run_distributed
+
+    for vocab in (99, 100):
+        for per_rank in run_distributed(_chunked_vocab_parallel_against_whole, 3, vocab):
+            for layout, *differences in per_rank:
+                assert max(differences) <= 1e-6, (vocab, layout, differences)
 
 
 class LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):

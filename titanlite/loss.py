@@ -3,6 +3,9 @@
 Every label of the model's own prediction counts: the loader packs full windows, so there is no
 padding. Multi-token prediction's labels run past the window's end for its last positions: those
 are IGNORED (`masked=True` leaves them out of the sum and the gradient).
+
+Under loss parallel (TP) each rank holds a slice of the vocabulary, of the logits or of the output
+weight, and the loss takes one all-gather of two numbers per token (`loss_and_logits_gradient`).
 """
 
 from __future__ import annotations
@@ -11,52 +14,43 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 IGNORED = -100  # a label that does not count (F.cross_entropy's default ignore_index)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, masked: bool = False) -> torch.Tensor:
     """Summed over tokens (`masked`: those whose label is not IGNORED). In eager training,
-    `SummedCrossEntropy` on whole logits and `VocabParallelCrossEntropy` on logits split over the
-    vocabulary (loss parallel); compiled losses (inductor fuses the plain one), evaluation and other
-    layouts take F.cross_entropy."""
+    `SummedCrossEntropy` on whole logits or on logits split over the vocabulary (loss parallel);
+    compiled losses (inductor fuses the plain one), evaluation and other layouts take F.cross_entropy."""
     logits, labels = logits.flatten(0, 1), labels.flatten(0, 1)
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORED)
     if not isinstance(logits, DTensor):
-        return SummedCrossEntropy.apply(logits, labels, masked)
+        return SummedCrossEntropy.apply(logits, labels, masked, None, None)
     if logits.device_mesh.ndim == 1 and logits.placements == (Shard(1),):
-        mesh = logits.device_mesh
-        # Shard splits like torch.chunk: every rank but the last holds ceil(vocab / ranks) entries.
-        first = mesh.get_local_rank() * -(-logits.shape[-1] // mesh.size())
-        return VocabParallelCrossEntropy.apply(logits.to_local(), labels, mesh.get_group(), first, masked)
+        return SummedCrossEntropy.apply(logits.to_local(), labels, masked, *vocab_slice(logits))
     return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORED)
 
 
-class SummedCrossEntropy(torch.autograd.Function):
-    """-sum(log_softmax(logits)[label]), with the gradient, softmax(logits) - onehot(label), made in
-    forward in the log-softmax's own (tokens, vocab) fp32 buffer, which backward scales in place.
-    F.cross_entropy keeps the log-softmax for backward, then builds a zeroed one-hot gradient and the
-    input's gradient: two more such buffers at the peak, and two more passes over them. At Llama 3's
-    128K vocabulary and 8K tokens a microbatch, each is 4 GiB."""
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The summed cross entropy of `hidden @ weight.T` without the whole logits (LinearCrossEntropy).
+    Under loss parallel the weight is this rank's rows of the vocabulary (a DTensor) and the hidden
+    state every token's (replicated): each rank's slice adds its part of the hidden state's gradient."""
+    first = group = None
+    if isinstance(weight, DTensor):
+        assert weight.placements == (Shard(0),) and hidden.placements == (Replicate(),), (weight.placements, hidden.placements)
+        first, group = vocab_slice(weight)
+        weight, hidden = weight.to_local(), hidden.to_local(grad_placements=[Partial()])
+    return LinearCrossEntropy.apply(hidden, weight, labels, chunks, torch.is_grad_enabled(), first, group)
 
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, masked: bool = False) -> torch.Tensor:
-        grad = torch.log_softmax(logits.float(), dim=-1)
-        rows = torch.arange(len(labels), device=labels.device)
-        counted, labels = counted_labels(labels, masked)
-        loss = -(grad[rows, labels] * counted).sum()
-        grad.exp_()[rows, labels] -= counted
-        if masked:
-            grad.mul_(counted.unsqueeze(-1))
-        keep_logits_gradient(ctx, grad, logits.dtype)
-        return loss
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):
-        return scaled_logits_gradient(ctx, grad_loss)
+def vocab_slice(t: DTensor) -> tuple[int, dist.ProcessGroup]:
+    """(the first id of this rank's slice of `t`, split over the vocabulary on a 1-d mesh; the group)."""
+    mesh, (shard,) = t.device_mesh, t.placements
+    # Shard splits like torch.chunk: every rank but the last holds ceil(vocab / ranks) entries.
+    first = mesh.get_local_rank() * -(-t.shape[shard.dim] // mesh.size())
+    return first, mesh.get_group()
 
 
 def counted_labels(labels: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,31 +61,22 @@ def counted_labels(labels: torch.Tensor, masked: bool) -> tuple[torch.Tensor, to
     return counted.float(), labels.masked_fill(~counted, 0)
 
 
-def keep_logits_gradient(ctx, grad: torch.Tensor, dtype: torch.dtype) -> None:
-    ctx.save_for_backward(grad)
-    ctx.dtype = dtype
-
-
-def scaled_logits_gradient(ctx, grad_loss: torch.Tensor) -> tuple:
-    """The logits' gradient made in forward, times the loss's gradient, in place, in the logits' dtype;
-    no gradient for the other inputs (labels, group, ...)."""
-    (grad,) = ctx.saved_tensors
-    return (grad.mul_(grad_loss).to(ctx.dtype),) + (None,) * (len(ctx.needs_input_grad) - 1)
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Loss parallel: each rank holds the logits of a slice of the vocabulary, starting at `first`.
-    It takes its slice's log-sum-exp per token and the label's logit where the label is in its slice
-    (0 elsewhere); one all-gather of both gives every rank the whole log-sum-exp and the loss. Its
-    slice's gradient, softmax - onehot, is made in forward in the log-softmax's buffer, as in
-    SummedCrossEntropy. (torch's loss_parallel takes three collectives and keeps more buffers.)"""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, first: int, masked: bool = False) -> torch.Tensor:
-        x = logits.float()
-        grad = torch.log_softmax(x, dim=-1)
-        rows = torch.arange(len(labels), device=labels.device)
-        counted, labels = counted_labels(labels, masked)
+def loss_and_logits_gradient(
+    logits: torch.Tensor, labels: torch.Tensor, masked: bool, first: int | None, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed loss of (tokens, vocab) logits and their gradient, softmax - onehot, made in the fp32
+    log-softmax's own buffer. With `first`, the logits are this rank's slice of the vocabulary from id
+    `first` (loss parallel): it takes its slice's log-sum-exp per token and the label's logit where the
+    label is in its slice (0 elsewhere); one all-gather of both over `group` gives every rank the whole
+    log-sum-exp and the loss (torch's loss_parallel takes three collectives and keeps more buffers)."""
+    x = logits.float()
+    grad = torch.log_softmax(x, dim=-1)
+    rows = torch.arange(len(labels), device=labels.device)
+    counted, labels = counted_labels(labels, masked)
+    if first is None:
+        loss = -(grad[rows, labels] * counted).sum()
+        grad.exp_()[rows, labels] -= 1
+    else:
         local = labels - first
         mine = (local >= 0) & (local < x.shape[-1])
         local = local.clamp(0, x.shape[-1] - 1)
@@ -103,10 +88,60 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         lse = torch.logsumexp(gathered[:, 0], dim=0)
         loss = ((lse - gathered[:, 1].sum(dim=0)) * counted).sum()
         grad.sub_((lse - slice_lse).unsqueeze(-1)).exp_()[rows, local] -= mine.to(grad.dtype)
-        if masked:
-            grad.mul_(counted.unsqueeze(-1))
-        keep_logits_gradient(ctx, grad, logits.dtype)
+    if masked:
+        grad.mul_(counted.unsqueeze(-1))
+    return loss, grad
+
+
+class SummedCrossEntropy(torch.autograd.Function):
+    """The summed cross entropy of logits (whole, or this rank's vocabulary slice), with their gradient
+    made in forward (`loss_and_logits_gradient`), which backward scales in place. F.cross_entropy keeps
+    the log-softmax for backward, then builds a zeroed one-hot gradient and the input's gradient: two
+    more (tokens, vocab) buffers at the peak, and two more passes over them. At Llama 3's 128K
+    vocabulary and 8K tokens a microbatch, each is 4 GiB."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, masked: bool, first, group) -> torch.Tensor:
+        loss, grad = loss_and_logits_gradient(logits, labels, masked, first, group)
+        ctx.save_for_backward(grad)
+        ctx.dtype = logits.dtype
         return loss
 
-    backward = staticmethod(SummedCrossEntropy.backward)  # the same: the gradient was made in forward
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_loss).to(ctx.dtype), None, None, None, None
 
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The summed cross entropy of `hidden @ weight.T` without the whole logits: the tokens in `chunks`
+    pieces, each piece's logits, loss and gradients (softmax - onehot, then into the hidden state and
+    the weight) made in forward and dropped; backward scales the gradients it kept. The peak holds one
+    piece's logits and the weight's fp32 gradient instead of all the logits and theirs (at 128K
+    vocabulary and 8K tokens a microbatch: 4 GiB each). IGNORED labels count for nothing."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunks: int, with_grad: bool, first, group) -> torch.Tensor:
+        h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        grad_h = torch.empty_like(h) if with_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for rows in torch.arange(len(y), device=y.device).chunk(chunks):
+            h_c = h[rows]
+            piece, grad = loss_and_logits_gradient(F.linear(h_c, weight), y[rows], True, first, group)
+            loss += piece
+            if with_grad:
+                grad = grad.to(weight.dtype)  # the matmuls in the weight's dtype (bf16 on GPUs), summed in fp32
+                grad_h[rows] = (grad @ weight).to(h.dtype)
+                grad_w += grad.t() @ h_c.to(weight.dtype)
+        if with_grad:
+            ctx.save_for_backward(grad_h.view_as(hidden), grad_w)
+            ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss).to(ctx.weight_dtype), None, None, None, None, None

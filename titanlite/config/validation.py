@@ -96,9 +96,9 @@ def validate(config: JobConfig) -> None:
         "compiled graphs); turn compile on or async TP off",
     )
     _require(
-        t.loss_chunks == 1 or p.tensor_parallel_degree == 1,
-        f"training.loss_chunks={t.loss_chunks} with tensor_parallel_degree={p.tensor_parallel_degree}: the chunked loss does "
-        "not take a vocabulary split over tp ranks yet; set training.loss_chunks=1 (loss parallel keeps the logits sharded)",
+        t.loss_chunks == 1 or p.tensor_parallel_degree == 1 or not p.disable_loss_parallel,
+        f"training.loss_chunks={t.loss_chunks} with parallelism.disable_loss_parallel=true: under TP the chunked loss "
+        "splits the vocabulary over tp ranks as loss parallel does; set disable_loss_parallel=false or loss_chunks=1",
     )
     _require(m.peak_flops >= 0, f"metrics.peak_flops={m.peak_flops} must be >= 0 (0 = automatic)")
     _require(config.model.n_layers >= 0, f"model.n_layers={config.model.n_layers} must be >= 0 (0 = the flavor's)")

@@ -3,7 +3,8 @@ ParallelStyles, applied to the model (its head and tail) and to each block.
 
 With loss parallel the logits stay sharded over the vocabulary and the cross entropy is computed
 without gathering them (`torch.distributed.tensor.parallel.loss_parallel`). Projections fused into one
-matmul (a family's FusedLinear) take `FusedColwiseParallel` below.
+matmul (a family's FusedLinear) take `FusedColwiseParallel` below; the output layer, which may be
+given the labels and return their loss (the chunked loss), `OutputColwiseParallel`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 
 def apply_tp(
@@ -54,3 +55,21 @@ class SharedByHeads(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, input_fn=lambda m, inputs, mesh: (shared_by_heads(inputs[0], mesh),))
+
+
+class OutputColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for the output layer, which may also be given the labels (the chunked loss,
+    loss.py's linear_cross_entropy): they pass through as they are (every tp rank holds the same
+    tokens), and the loss it then returns, a plain tensor equal on every rank, leaves untouched.
+    (ColwiseParallel hands the module its first input alone.)"""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        return (x, *inputs[1:])
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)

@@ -6,7 +6,7 @@ TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise; where they run as one matmu
 takes each rank's rows of all of them. With sequence parallel, activations between blocks are sharded
 along the sequence (Shard(1)): norms run on their shard, and each attention/FFN all-gathers its input
 and reduce-scatters its output. With loss parallel, the logits stay sharded over the vocabulary
-(Shard(-1)).
+(Shard(-1)); the chunked loss takes each rank's rows of the output weight (loss.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from titanlite.models.llama3 import hf
 from titanlite.float8 import Float8Linear, Float8PrepareModuleInput
 from titanlite.models.family import ParallelPlan
 from titanlite.models.llama3.model import Transformer
-from titanlite.parallel.tensor import FusedColwiseParallel
+from titanlite.parallel.tensor import FusedColwiseParallel, OutputColwiseParallel
 
 # The projections that read each sub-module's gathered input.
 INPUT_PROJECTIONS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
@@ -94,7 +94,7 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks),
         "norm": SequenceParallel() if sequence_parallel else None,
-        "output": ColwiseParallel(
+        "output": OutputColwiseParallel(
             input_layouts=between_blocks,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,  # loss parallel needs the DTensor logits
