@@ -108,3 +108,30 @@ def test_recompute_runs_no_moe_communication(corpus_jsonl, tmp_path, ac, token_e
     checkpointing exchanges the tokens again (2 more) rather than keep them."""
     for run in run_distributed(_collectives_in_backward, 2, str(corpus_jsonl), str(tmp_path), EP2_GLOBAL_AUX + ac, timeout=300):
         assert run["calls"] == {"expert.py:all_to_all_single": token_exchanges * 2 * run["moe_layers"]}, run
+
+
+def _shared_experts_while_tokens_travel(dataset: str, folder: str, overrides: list[str]) -> dict:
+    """For each forward of each MoE layer's shared experts over 2 training steps: whether expert
+    parallel's token all-to-all was still in flight (launched, not yet waited for)."""
+    import torch
+
+    from helpers import tiny_args
+    from titanlite.config import parse_args
+    from titanlite.train import train
+    from titanlite.trainer import Trainer
+
+    trainer = Trainer(parse_args(tiny_args(dataset, folder, "--training.steps", "2", *overrides)), torch.device("cpu"))
+    seen = []
+    for layer in trainer.moe_layers:
+        layer.shared_experts.register_forward_pre_hook(lambda module, args, experts=layer.experts: seen.append(experts.tokens_in_flight))
+    train(trainer)
+    return {"seen": seen, "moe_layers": len(trainer.moe_layers)}
+
+
+@pytest.mark.slow
+def test_shared_experts_run_while_the_dispatch_all_to_all_is_in_flight(corpus_jsonl, tmp_path):
+    """EP 2: every MoE layer's shared experts run between the launch of the tokens' all-to-all and its
+    wait, once per forward (2 steps of one forward each; validation forwards too where they run)."""
+    overrides = ["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", "2"]
+    for run in run_distributed(_shared_experts_while_tokens_travel, 2, str(corpus_jsonl), str(tmp_path), overrides, timeout=300):
+        assert len(run["seen"]) >= 2 * run["moe_layers"] > 0 and all(run["seen"]), run

@@ -175,7 +175,7 @@ class Float8GroupedExperts(GroupedExperts):
     high precision). CUDA's kernel takes bf16 operands and gives bf16 out, so there the tokens run in
     bf16; elsewhere the float8 GEMMs are emulated in fp32 and the activations keep their dtype."""
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, meanwhile=None) -> torch.Tensor:
         emulate = x.device.type != "cuda"
         dtype = (self.compute_dtype or x.dtype) if emulate else torch.bfloat16
         w1, w2, w3 = self.weights(dtype)

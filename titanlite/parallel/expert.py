@@ -7,7 +7,8 @@ over tp as well.
 sharded over experts (Shard(0) on `ep`; with ETP also Shard(hidden) on `tp`), so checkpoints hold
 the full tensors and load on any EP degree. Around each forward:
   dispatch  each rank sends its tokens' per-expert counts (all-to-all), then the tokens themselves
-            (all-to-all with those variable splits), and groups what it received by local expert;
+            (all-to-all with those variable splits; the layer's shared experts run while they
+            travel), and groups what it received by local expert;
   combine   the outputs go back the same way, in reverse.
 With expert TP the tp ranks then all-gather their tokens and reduce-scatter the partial outputs.
 Every exchange is differentiable (backward is the reverse exchange), and they are plain
@@ -32,17 +33,20 @@ class _AllToAll(torch.autograd.Function):
     the gradients the other way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, receive: list[int], send: list[int], group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, receive: list[int], send: list[int], group, pending: list | None = None) -> torch.Tensor:
+        """`pending`: return at once and append the exchange's Work, whose wait() fills the output."""
         ctx.receive, ctx.send, ctx.group = receive, send, group
         out = x.new_empty(sum(receive), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+        work = dist.all_to_all_single(out, x.contiguous(), receive, send, group=group, async_op=pending is not None)
+        if pending is not None:
+            pending.append(work)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
         dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 def segment_order(counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -88,7 +92,7 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(param_name, sharded)
 
     def _dispatch(self, module: nn.Module, inputs, mesh: DeviceMesh):
-        tokens, counts = inputs
+        tokens, counts, *meanwhile = inputs
         replay = module.forward_replay
         replay.begin()
         ep_ranks = self.ep.size() if self.ep else 1
@@ -102,7 +106,14 @@ class ExpertParallel(ParallelStyle):
         send, receive, tp_rows = sizes[:ep_ranks], sizes[ep_ranks:2 * ep_ranks], sizes[2 * ep_ranks:]
         ep_state = tp_state = None
         if self.ep:
-            arrived = replay(lambda: _AllToAll.apply(tokens, receive, send, self.ep.get_group()), bulky=True)
+            pending = []  # the tokens' exchange runs while the layer's other work (shared experts) does
+            arrived = replay(lambda: _AllToAll.apply(tokens, receive, send, self.ep.get_group(), pending), bulky=True)
+            module.tokens_in_flight = bool(pending)  # observable: the shared experts run while this holds
+            if meanwhile and meanwhile[0] is not None:
+                meanwhile[0]()
+            for work in pending:
+                work.wait()
+            module.tokens_in_flight = False
             # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
             ep_order = segment_order(received, sum(receive))
             tokens, counts, ep_state = arrived[ep_order], received.sum(dim=0), (ep_order, receive, send)

@@ -90,7 +90,9 @@ class GroupedExperts(nn.Module):
         GEMMs take their second operand in."""
         return tuple(local_shard(w).to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, meanwhile: Once | None = None) -> torch.Tensor:
+        """`meanwhile`: the layer's work that needs none of the routed tokens (the shared experts), which
+        expert parallel runs while the tokens travel (parallel/expert.py); the layer runs it after."""
         dtype = self.compute_dtype or x.dtype
         w1, w2, w3 = self.weights(dtype)
         if self.kernel == "loop":
@@ -155,6 +157,18 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, grad.new_ones(ctx.aux_shape, dtype=torch.float32)
 
 
+class Once:
+    """module(*args), run by its first caller; later calls get the same result."""
+
+    def __init__(self, module: nn.Module, *args):
+        self.module, self.args, self.result = module, args, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.result is None:
+            self.result = self.module(*self.args)
+        return self.result
+
+
 class MoE(nn.Module):
     def __init__(self, args: MoEArgs):
         super().__init__()
@@ -198,15 +212,16 @@ class MoE(nn.Module):
         copies = flat[order // self.top_k]
         if self.score_before_experts:
             copies = (copies.float() * weights.flatten()[order].unsqueeze(-1)).to(flat.dtype)
-        routed = self.experts(copies, counts)
+        shared = Once(self.shared_experts, flat) if self.shared_experts is not None else None
+        routed = self.experts(copies, counts, shared)
         # Back in token order (a permutation: each row written once), then each token's k outputs weighted
         # in fp32 and summed in a fixed order: no scatter-add, whose atomics on CUDA sum in any order.
         by_token = torch.empty_like(routed).index_copy_(0, order, routed).view(-1, self.top_k, dim).float()
         if not self.score_before_experts:
             by_token = by_token * weights.unsqueeze(-1)
         out = by_token.sum(dim=1).to(flat.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+        if shared is not None:
+            out = out + shared()
         if self.aux_loss_coeff and self.training:
             if self.aux_loss_type == "global_batch":
                 aux = self.global_batch_aux_loss(scores, counts)
