@@ -9,6 +9,9 @@
 # Env: NGPU (processes per node; default: the GPU count, or 1 without GPUs), CONFIG_FILE, LOG_RANK
 # (ranks whose output is shown, default 0), NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID, COMM_MODE,
 # MAX_RESTARTS (torchrun restarts the job after a rank dies; with checkpoints on, it resumes by itself).
+# Fault tolerance ([fault_tolerance] enable; each replica group is one run_train.sh): FT_LIGHTHOUSE=start
+# runs torchft's Lighthouse here for every group (FT_MIN_REPLICAS, default 1; FT_LIGHTHOUSE_PORT, default
+# 29510) until this group ends; the other groups join it with TORCHFT_LIGHTHOUSE=http://this-host:port.
 # Extra arguments are config overrides (--section.key value) passed to the trainer.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -29,6 +32,15 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # CPU runs: one thread per process unless the user says otherwise (ranks share the cores).
 if [ "$NGPU" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 
+if [ "${FT_LIGHTHOUSE:-}" = "start" ]; then
+    FT_LIGHTHOUSE_PORT=${FT_LIGHTHOUSE_PORT:-29510}
+    "$PYTHON" -c "import sys; from torchft._torchft import lighthouse_main; sys.argv[0] = 'torchft_lighthouse'; sys.exit(lighthouse_main())" \
+        --min_replicas "${FT_MIN_REPLICAS:-1}" --bind "[::]:$FT_LIGHTHOUSE_PORT" &
+    LIGHTHOUSE_PID=$!
+    trap 'kill $LIGHTHOUSE_PID 2>/dev/null || true' EXIT
+    export TORCHFT_LIGHTHOUSE=${TORCHFT_LIGHTHOUSE:-http://$(hostname):$FT_LIGHTHOUSE_PORT}
+fi
+
 # Check the config (and --help) before starting any process: bad input fails here in one line.
 WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --job.config_file "$CONFIG_FILE" "$@" ${COMM_MODE:+--comm.mode "$COMM_MODE"}
 for arg in "$@"; do case "$arg" in -h|--help) exit 0 ;; esac; done
@@ -46,6 +58,11 @@ else
 fi
 
 # titanlite.torchrun is torchrun that shows a failed rank's one-line error instead of its traceback.
-exec "$PYTHON" -m titanlite.torchrun "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" --max-restarts "${MAX_RESTARTS:-0}" \
-    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" ${COMM_MODE:+--comm.mode "$COMM_MODE"}
+LAUNCH=("$PYTHON" -m titanlite.torchrun "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" --max-restarts "${MAX_RESTARTS:-0}"
+    --local-ranks-filter "$LOG_RANK" --role rank --tee 3
+    -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" ${COMM_MODE:+--comm.mode "$COMM_MODE"})
+if [ -n "${LIGHTHOUSE_PID:-}" ]; then
+    "${LAUNCH[@]}"  # not exec'd: the EXIT trap stops the Lighthouse when this group ends
+else
+    exec "${LAUNCH[@]}"
+fi

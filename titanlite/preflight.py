@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 
 from titanlite.checkpoint.paths import checkpoint_folder, checkpoint_to_load
@@ -39,6 +40,8 @@ def check(config: JobConfig, world_size: int) -> None:
     build_tokenizer(*config.tokenizer)
     if config.metrics.enable_wandb:
         check_wandb_installed()
+    if config.fault_tolerance.enable:
+        check_lighthouse(config.fault_tolerance.process_group_timeout_ms)
     if config.dry_run:
         return  # writes nothing, reads no data and loads no checkpoint
     check_writable_folder(config.job.dump_folder)
@@ -57,6 +60,26 @@ def check(config: JobConfig, world_size: int) -> None:
 def check_wandb_installed() -> None:
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.enable_wandb=true needs the wandb package: pip install -e '.[wandb]' (or set it false)")
+
+
+def check_lighthouse(timeout_ms: int) -> None:
+    """fault_tolerance.enable: torchft is installed and its Lighthouse answers within the timeout."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("fault_tolerance.enable=true needs torchft: pip install -e '.[ft]' (or set it false)")
+    address = os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not address:
+        raise ConfigError(
+            "fault_tolerance.enable=true needs the Lighthouse's address in TORCHFT_LIGHTHOUSE (e.g. http://host:29510); "
+            "or let run_train.sh start one: FT_LIGHTHOUSE=start"
+        )
+    host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_ms / 1000).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"TORCHFT_LIGHTHOUSE={address}: no Lighthouse answered within fault_tolerance.process_group_timeout_ms="
+            f"{timeout_ms} ({e}); start one (torchft_lighthouse --min_replicas N, or FT_LIGHTHOUSE=start) or fix the address"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -167,6 +167,9 @@ def train(trainer: Trainer) -> None:
         microbatches = trainer.next_microbatches(data_iter)
         data_seconds = time.perf_counter() - data_start
         local_loss, grad_norm = trainer.train_step(microbatches)
+        if trainer.ft and not trainer.ft.committed:
+            trainer.step -= 1  # a replica group failed mid-step: redone with the next batch
+            continue
         trainer.tokens_seen += tokens_per_step * trainer.dp_degree
         trainer.metrics.record_step(tokens_per_step, data_seconds)
         last = trainer.step == t.steps
@@ -269,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
             trainer.checkpointer.wait()  # an async save in flight was checked when it started: let it land
         code = report(f"titanlite: {e}", 1)
     finally:
+        if trainer is not None and trainer.ft:
+            trainer.ft.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush()

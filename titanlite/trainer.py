@@ -23,6 +23,7 @@ from titanlite.checkpoint.checkpointer import Checkpointer
 from titanlite.config import JobConfig
 from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
+from titanlite.fault_tolerance import FaultTolerance
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.loss import IGNORED, cross_entropy_sum
@@ -163,7 +164,9 @@ class Trainer:
         pipeline_forwards = t.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size if self.dims.pp_enabled else 1
         set_batch(self.moe_layers, self.accumulation_steps * t.local_batch_size * self.dp_degree, t.seq_len,
                   self.accumulation_steps * pipeline_forwards)
-        self.dataloader = build_dataloader(config, self.tokenizer, self.dp_rank, self.dp_degree)
+        self.ft = FaultTolerance(config, self) if config.fault_tolerance.enable else None
+        loader_rank, loader_ranks = self.ft.data_position(self.dp_rank, self.dp_degree) if self.ft else (self.dp_rank, self.dp_degree)
+        self.dataloader = build_dataloader(config, self.tokenizer, loader_rank, loader_ranks)
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.metrics = MetricsLogger(
             config,
@@ -277,6 +280,8 @@ class Trainer:
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the microbatches. Returns (this rank's part of the global mean loss,
         grad norm), both on the device: nothing here waits for the device."""
+        if self.ft:
+            self.ft.start_step()  # the replica groups' quorum, while the forward runs
         loss = self.compute_gradients(microbatches)
         return loss, self.apply_gradients()
 
@@ -321,15 +326,18 @@ class Trainer:
         the step is skipped instead, which needs the norm on the host: one wait for the device a step."""
         params = self.parameters()
         reduce_partial_grads(params)
+        if self.ft:
+            self.ft.sync_gradients(params)
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, self.pp_group)
         finite = torch.isfinite(grad_norm)
         skip = self.config.training.skip_nonfinite_steps and not bool(finite)
+        commit = self.ft.should_commit() if self.ft else True  # False: a replica group failed mid-step
         for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
-            if not skip:
+            if commit and not skip:
                 opt.step()
                 scheduler.step()
             opt.zero_grad(set_to_none=True)
-        if self.is_moe:
+        if self.is_moe and commit:
             self.balance_experts(finite)
         if skip:
             self.skip_step(grad_norm.item())
@@ -358,6 +366,8 @@ class Trainer:
         tokens (one all-reduce); the expert bias moves towards balance, not after a step whose grad norm
         is not finite (`finite`, on the device). The sums stay on the device for the log."""
         counts, aux = global_balance(self.moe_layers, self.routing_group)
+        if self.ft:
+            counts = self.ft.sum_over_groups(counts)  # every replica group moves its expert bias alike
         update_expert_bias(self.moe_layers, counts * finite.to(counts.device))  # zero counts leave the bias where it is
         self.balance = counts, aux
 
@@ -405,7 +415,7 @@ class Trainer:
 
     def step_extras(self) -> dict[str, float] | None:
         """What a log step shows beyond the loss: a MoE's balance, the MTP loss. Collective: every rank calls it."""
-        extras = self.stage_balance() or {}
+        extras = (self.stage_balance() or {}) | (self.ft.metrics() if self.ft else {})
         if self.mtp_depth:
             extras["mtp_loss"] = self.global_loss(self.mtp_loss)
         return extras or None

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.config.fields import NO_MOE, NO_MX, NO_TORCHFT, opt, section
+from titanlite.config.fields import NO_MOE, NO_MX, NO_SEMI_SYNC, NO_TORCHFT, opt, section
 from titanlite.config.writing import toml_text
 from titanlite.models import FAMILIES
 
@@ -410,13 +410,13 @@ class MemoryEstimation:
 
 @dataclass
 class FaultTolerance:
-    enable: bool = opt(False, "TorchFT integration", not_implemented=NO_TORCHFT)
-    process_group: str = opt("gloo", "TorchFT process group", not_implemented=NO_TORCHFT)
-    process_group_timeout_ms: int = opt(10000, "TorchFT process group timeout", not_implemented=NO_TORCHFT)
-    replica_id: int = opt(0, "TorchFT replica id", not_implemented=NO_TORCHFT)
-    group_size: int = opt(0, "TorchFT replica groups", not_implemented=NO_TORCHFT)
-    min_replica_size: int = opt(1, "TorchFT minimum replicas", not_implemented=NO_TORCHFT)
-    semi_sync_method: str | None = opt(None, "local_sgd or diloco", not_implemented=NO_TORCHFT)
+    enable: bool = opt(False, "torchft replica groups: each its own torchrun job; a failed group drops out, the rest go on")
+    process_group: str = opt("gloo", "torchft's process group between replica groups", ("gloo", "nccl"))
+    process_group_timeout_ms: int = opt(10000, "torchft's collective and Lighthouse timeout")
+    replica_id: int = opt(0, "this replica group's id, 0 .. group_size - 1")
+    group_size: int = opt(0, "how many replica groups the job has")
+    min_replica_size: int = opt(1, "fewest replica groups that may commit a step")
+    semi_sync_method: str | None = opt(None, "local_sgd or diloco", not_implemented=NO_SEMI_SYNC)
 
 
 @dataclass

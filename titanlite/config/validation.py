@@ -166,3 +166,33 @@ def validate(config: JobConfig) -> None:
         sac == "op" or (sac.isdigit() and int(sac) >= 1),
         f"activation_checkpoint.selective_ac_option='{sac}' must be 'op' or a positive integer",
     )
+    check_fault_tolerance(config)
+
+
+def check_fault_tolerance(config: JobConfig) -> None:
+    """torchft replica groups: each group is its own torchrun job and torchft owns the replicate dim."""
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return
+    _require(ft.group_size >= 1, f"fault_tolerance.group_size={ft.group_size} must be >= 1 (the number of replica groups)")
+    _require(
+        0 <= ft.replica_id < ft.group_size,
+        f"fault_tolerance.replica_id={ft.replica_id} is outside 0 .. group_size - 1 = {ft.group_size - 1}; "
+        "give each replica group its own id below group_size",
+    )
+    _require(
+        1 <= ft.min_replica_size <= ft.group_size,
+        f"fault_tolerance.min_replica_size={ft.min_replica_size} must be between 1 and group_size={ft.group_size}",
+    )
+    _require(
+        config.debug.seed is not None,
+        "fault_tolerance.enable=true needs debug.seed: every replica group must initialize the same weights; set "
+        "debug.seed to one number for all groups",
+    )
+    _require(ft.process_group_timeout_ms >= 1, f"fault_tolerance.process_group_timeout_ms={ft.process_group_timeout_ms} must be >= 1")
+    _require(
+        config.parallelism.data_parallel_replicate_degree == 1,
+        f"parallelism.data_parallel_replicate_degree={config.parallelism.data_parallel_replicate_degree} with "
+        "fault_tolerance.enable=true: torchft's replica groups are the replicate dim; set it to 1 and start "
+        "fault_tolerance.group_size groups",
+    )
