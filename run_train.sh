@@ -34,7 +34,7 @@ if [ "$NGPU" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 
 if [ "${FT_LIGHTHOUSE:-}" = "start" ]; then
     FT_LIGHTHOUSE_PORT=${FT_LIGHTHOUSE_PORT:-29510}
-    "$PYTHON" -c "import sys; from torchft._torchft import lighthouse_main; sys.argv[0] = 'torchft_lighthouse'; sys.exit(lighthouse_main())" \
+    "$PYTHON" scripts/lighthouse.py \
         --min_replicas "${FT_MIN_REPLICAS:-1}" --bind "[::]:$FT_LIGHTHOUSE_PORT" &
     LIGHTHOUSE_PID=$!
     trap 'kill $LIGHTHOUSE_PID 2>/dev/null || true' EXIT

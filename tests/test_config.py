@@ -87,7 +87,8 @@ def test_schema_has_every_torchtitan_v0_2_2_key_with_its_default():
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--fault_tolerance.enable"], ["fault_tolerance.enable=True is not implemented", "default False", "TorchFT"]),
+        (["--fault_tolerance.semi_sync_method", "local_sgd"], ["fault_tolerance.semi_sync_method='local_sgd' is not implemented",
+                                                               "default None", "LocalSGD and DiLoCo"]),
         (["--quantize.linear.mx.recipe_name", "mxfp8_emulated"], ["quantize.linear.mx.recipe_name='mxfp8_emulated'", "float8"]),
         (["--model.converters", "float8,quantize.linear.mx"], ["'quantize.linear.mx' is not implemented", "float8"]),
         (["--model.converters", "quantize.grouped_mm.mx"], ["'quantize.grouped_mm.mx' is not implemented", "float8"]),

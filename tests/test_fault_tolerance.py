@@ -194,3 +194,23 @@ def test_a_killed_replica_group_heals_from_the_survivor_and_rejoins(corpus_jsonl
     first, second = final_state(folders[survivor], steps), final_state(back_folder, steps)
     assert first.keys() == second.keys() and len(first) > 20
     assert all(torch.equal(first[k], second[k]) for k in first), [k for k in first if not torch.equal(first[k], second[k])][:5]
+
+
+@pytest.mark.slow
+def test_run_train_sh_starts_a_lighthouse_for_its_group_and_stops_it(corpus_jsonl, tmp_path):
+    """FT_LIGHTHOUSE=start: run_train.sh runs torchft's Lighthouse for the job (here one group of one
+    rank, 3 steps), the group trains through it, and the Lighthouse ends with the group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "FT_LIGHTHOUSE": "start", "FT_LIGHTHOUSE_PORT": str(port), "NGPU": "1"}
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "3", "--fault_tolerance.enable",
+                     "--fault_tolerance.group_size", "1", "--debug.seed", "7")
+    out = run_command(["bash", "run_train.sh", *args], timeout=300, cwd=REPO, env=env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert [r["ft_replicas"] for r in logged(tmp_path)] == [1.0, 1.0, 1.0]
+    with pytest.raises(OSError):  # nothing listens there any more
+        socket.create_connection(("localhost", port), timeout=1).close()

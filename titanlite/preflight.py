@@ -13,6 +13,7 @@ import importlib.util
 import os
 import socket
 import sys
+import time
 
 from titanlite.checkpoint.paths import checkpoint_folder, checkpoint_to_load
 from titanlite.config import JobConfig, parse_args
@@ -73,13 +74,18 @@ def check_lighthouse(timeout_ms: int) -> None:
             "or let run_train.sh start one: FT_LIGHTHOUSE=start"
         )
     host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_ms / 1000).close()
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"TORCHFT_LIGHTHOUSE={address}: no Lighthouse answered within fault_tolerance.process_group_timeout_ms="
-            f"{timeout_ms} ({e}); start one (torchft_lighthouse --min_replicas N, or FT_LIGHTHOUSE=start) or fix the address"
-        ) from None
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:  # a Lighthouse started just before (FT_LIGHTHOUSE=start) takes a moment to listen
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=max(deadline - time.monotonic(), 0.01)).close()
+            return
+        except (OSError, ValueError) as e:
+            if isinstance(e, ValueError) or time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"TORCHFT_LIGHTHOUSE={address}: no Lighthouse answered within fault_tolerance.process_group_timeout_ms="
+                    f"{timeout_ms} ({e}); start one (torchft_lighthouse --min_replicas N, or FT_LIGHTHOUSE=start) or fix the address"
+                ) from None
+            time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -132,6 +132,7 @@ class Trainer:
         self.cross_entropy = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
         if self.dims.cp_enabled and device.type == "cpu":
             register_cpu_ring_attention()
+        self.ft = None  # torchft's replica groups (fault_tolerance.enable), built with the optimizers
         if device.type == "meta":
             return  # dry run: nothing to materialize
         offload = t.enable_cpu_offload and device.type == "cuda"
