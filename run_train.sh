@@ -12,6 +12,7 @@
 # Fault tolerance ([fault_tolerance] enable; each replica group is one run_train.sh): FT_LIGHTHOUSE=start
 # runs torchft's Lighthouse here for every group (FT_MIN_REPLICAS, default 1; FT_LIGHTHOUSE_PORT, default
 # 29510) until this group ends; the other groups join it with TORCHFT_LIGHTHOUSE=http://this-host:port.
+# The job then depends on this group: for real runs start torchft_lighthouse on a host of its own.
 # Extra arguments are config overrides (--section.key value) passed to the trainer.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -61,8 +62,14 @@ fi
 LAUNCH=("$PYTHON" -m titanlite.torchrun "${RENDEZVOUS[@]}" --nproc_per_node "$NGPU" --max-restarts "${MAX_RESTARTS:-0}"
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3
     -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" ${COMM_MODE:+--comm.mode "$COMM_MODE"})
-if [ -n "${LIGHTHOUSE_PID:-}" ]; then
-    "${LAUNCH[@]}"  # not exec'd: the EXIT trap stops the Lighthouse when this group ends
-else
+if [ -z "${LIGHTHOUSE_PID:-}" ]; then
     exec "${LAUNCH[@]}"
 fi
+# Not exec'd while a Lighthouse started here runs (the EXIT trap stops it when the group ends); a TERM
+# or INT for this script goes on to torchrun, and the script waits for it to finish.
+"${LAUNCH[@]}" &
+GROUP_PID=$!
+trap 'kill -TERM "$GROUP_PID" 2>/dev/null || true' TERM INT
+set +e
+while wait "$GROUP_PID"; STATUS=$?; kill -0 "$GROUP_PID" 2>/dev/null; do :; done
+exit "$STATUS"

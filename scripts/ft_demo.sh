@@ -28,7 +28,7 @@ trap 'kill ${GROUP_PIDS[*]} $LIGHTHOUSE 2>/dev/null || true' EXIT
 start_group() {  # replica id, log name; in a session of its own so that a kill takes all its ranks
     setsid ./run_train.sh --fault_tolerance.enable --fault_tolerance.group_size "$REPLICA_GROUPS" \
         --fault_tolerance.replica_id "$1" --debug.seed "${SEED:-0}" --training.steps 60 \
-        --job.dump_folder "$OUT/group$1" "${@:3}" > "$OUT/$2.log" 2>&1 &
+        --job.dump_folder "$OUT/$2" "${@:3}" > "$OUT/$2.log" 2>&1 &
     GROUP_PIDS[$1]=$!
 }
 

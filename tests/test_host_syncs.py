@@ -56,7 +56,7 @@ class Allowance:
 ALLOWANCES = {
     "batch_to_device": Allowance("titanlite/trainer.py", ("Trainer.next_microbatches",), "microbatch"),
     "ep_split_sizes": Allowance("titanlite/parallel/expert.py", ("ExpertParallel._dispatch",), "moe layer"),
-    "moe_finite_flag": Allowance("titanlite/trainer.py", ("Trainer.balance_experts",), "step"),
+    "moe_finite_flag": Allowance("titanlite/trainer.py", ("Trainer.move_expert_bias",), "step"),
     "mesh_rank_grid": Allowance(
         "torch/distributed/device_mesh.py", ("DeviceMesh.__init__", "DeviceMesh._compute_coordinates_from_mesh"), "step"
     ),

@@ -123,7 +123,7 @@ def _shared_experts_while_tokens_travel(dataset: str, folder: str, overrides: li
     trainer = Trainer(parse_args(tiny_args(dataset, folder, "--training.steps", "2", *overrides)), torch.device("cpu"))
     seen = []
     for layer in trainer.moe_layers:
-        layer.shared_experts.register_forward_pre_hook(lambda module, args, experts=layer.experts: seen.append(experts.tokens_in_flight))
+        layer.shared_experts.register_forward_pre_hook(lambda module, args, experts=layer.experts: seen.append(bool(experts.tokens_in_flight)))
     train(trainer)
     return {"seen": seen, "moe_layers": len(trainer.moe_layers)}
 

@@ -19,12 +19,30 @@ part of the data: `data_position`).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
+
+
+class FaultToleranceFailed(RuntimeError):
+    """torchft could not go on (the Lighthouse or a peer unreachable past the timeout): one line."""
+
+
+@contextmanager
+def reported(what: str, timeout_ms: int):
+    """torchft's exceptions out of `what` (RuntimeError, TimeoutError, KeyError, its own) as one line."""
+    try:
+        yield
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise FaultToleranceFailed(
+            f"fault tolerance: {what} failed ({first}); the Lighthouse (TORCHFT_LIGHTHOUSE) and the other replica "
+            f"groups must answer within fault_tolerance.process_group_timeout_ms={timeout_ms}"
+        ) from None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -45,19 +63,20 @@ class FaultTolerance:
         self.trainer, self.replica_id, self.group_size = trainer, ft.replica_id, ft.group_size
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
         group = (torchft.ProcessGroupGloo if ft.process_group == "gloo" else torchft.ProcessGroupNCCL)(timeout=timeout)
-        self.state = self.recovery_tensors()
-        self.manager = torchft.Manager(
-            pg=group,
-            min_replica_size=ft.min_replica_size,
-            load_state_dict=self.load_state,
-            state_dict=self.state_to_send,
-            replica_id=f"titanlite_ft_{ft.replica_id}",
-            timeout=timeout,
-            connect_timeout=timeout,
-            # Every group starts from the same weights (debug.seed is required): torchft's step-0 sync
-            # would count the group it syncs as a participant of step 1 while zeroing its gradients.
-            init_sync=False,
-        )
+        self.state, self.timeout_ms = self.recovery_tensors(), ft.process_group_timeout_ms
+        with reported("joining the Lighthouse", self.timeout_ms):
+            self.manager = torchft.Manager(
+                pg=group,
+                min_replica_size=ft.min_replica_size,
+                load_state_dict=self.load_state,
+                state_dict=self.state_to_send,
+                replica_id=f"titanlite_ft_{ft.replica_id}",
+                timeout=timeout,
+                connect_timeout=timeout,
+                # Every group starts from the same weights (debug.seed is required): torchft's step-0 sync
+                # would count the group it syncs as a participant of step 1 while zeroing its gradients.
+                init_sync=False,
+            )
         self.committed = True  # the last step's fate
         self.steps_redone, self.stalled_seconds, self.step_start = 0, 0.0, 0.0
 
@@ -83,11 +102,12 @@ class FaultTolerance:
         return tensors
 
     def state_to_send(self) -> dict:
-        """A snapshot for a recovering peer (copies: this group trains on while the peer reads)."""
+        """A snapshot for a recovering peer, in host memory (this group trains on while the peer reads)."""
         t = self.trainer
         return {
-            "tensors": {name: value.detach().clone() for name, value in self.state.items()},
-            "counters": {"step": t.step, "tokens_seen": t.tokens_seen, "lr_step": t.lr_schedulers[0].last_epoch},
+            "tensors": {name: value.detach().to("cpu", copy=True) for name, value in self.state.items()},
+            "counters": {"step": t.step, "tokens_seen": t.tokens_seen, "skipped_steps": t.skipped_steps,
+                         "lr_step": t.lr_schedulers[0].last_epoch},
         }
 
     def load_state(self, sent: dict) -> None:
@@ -100,6 +120,7 @@ class FaultTolerance:
                 value.copy_(sent["tensors"][name])
         counters = sent["counters"]
         t.step, t.tokens_seen = counters["step"], counters["tokens_seen"]
+        t.skipped_steps = counters["skipped_steps"]
         for scheduler in t.lr_schedulers:
             scheduler.last_epoch = counters["lr_step"]
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):
@@ -114,10 +135,11 @@ class FaultTolerance:
         Waiting for the quorum (a dead group is dropped after the Lighthouse's heartbeat timeout)
         counts as time stalled."""
         start = time.perf_counter()
-        self.manager.wait_quorum()
+        with reported("the quorum", self.timeout_ms):
+            self.manager.wait_quorum()
         self.stalled_seconds += time.perf_counter() - start
         grads = [local(p.grad) for p in params if p.grad is not None]
-        for dtype in {g.dtype for g in grads}:
+        for dtype in sorted({g.dtype for g in grads}, key=str):  # the same order in every group
             same = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.flatten() for g in same])
             self.manager.allreduce(flat).wait()
@@ -133,7 +155,8 @@ class FaultTolerance:
         return t
 
     def should_commit(self) -> bool:
-        self.committed = self.manager.should_commit()
+        with reported("the commit vote (or healing from a peer)", self.timeout_ms):
+            self.committed = self.manager.should_commit()
         if not self.committed:  # the whole step is lost
             self.steps_redone += 1
             self.stalled_seconds += time.perf_counter() - self.step_start

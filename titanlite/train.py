@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from titanlite.config import JobConfig, parse_args
 from titanlite.errors import ConfigError
+from titanlite.fault_tolerance import FaultToleranceFailed
 from titanlite.metrics import log_line
 from titanlite import preflight
 from titanlite.profiling import Profiler
@@ -168,7 +169,8 @@ def train(trainer: Trainer) -> None:
         data_seconds = time.perf_counter() - data_start
         local_loss, grad_norm = trainer.train_step(microbatches)
         if trainer.ft and not trainer.ft.committed:
-            trainer.step -= 1  # a replica group failed mid-step: redone with the next batch
+            log_line(f"step {trainer.step} not committed (a replica group failed in it): redone with the next batch")
+            trainer.step -= 1
             continue
         trainer.tokens_seen += tokens_per_step * trainer.dp_degree
         trainer.metrics.record_step(tokens_per_step, data_seconds)
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         dist.barrier()
     except ConfigError as e:
         code = report(f"titanlite: config error: {e}", 2)
+    except FaultToleranceFailed as e:
+        code = report(f"titanlite: {e}", 1)
     except TrainingDiverged as e:
         if trainer is not None:
             trainer.checkpointer.wait()  # an async save in flight was checked when it started: let it land

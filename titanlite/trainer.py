@@ -327,22 +327,24 @@ class Trainer:
         the step is skipped instead, which needs the norm on the host: one wait for the device a step."""
         params = self.parameters()
         reduce_partial_grads(params)
+        balance = self.expert_balance() if self.is_moe else None
         if self.ft:
             self.ft.sync_gradients(params)
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, self.pp_group)
         finite = torch.isfinite(grad_norm)
-        skip = self.config.training.skip_nonfinite_steps and not bool(finite)
-        commit = self.ft.should_commit() if self.ft else True  # False: a replica group failed mid-step
+        # False: a replica group failed in this step (fault tolerance); nothing of it counts, it is redone.
+        commit = self.ft.should_commit() if self.ft else True
+        skip = commit and self.config.training.skip_nonfinite_steps and not bool(finite)
         for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
             if commit and not skip:
                 opt.step()
                 scheduler.step()
             opt.zero_grad(set_to_none=True)
-        if self.is_moe and commit:
-            self.balance_experts(finite)
+        if balance is not None:
+            self.move_expert_bias(balance, finite, commit)
         if skip:
             self.skip_step(grad_norm.item())
-        else:
+        elif commit:
             self.first_nonfinite_step.masked_fill_(~finite & (self.first_nonfinite_step < 0), self.step)
         return grad_norm
 
@@ -362,15 +364,20 @@ class Trainer:
                 "training.skip_nonfinite_steps=true to skip such steps"
             )
 
-    def balance_experts(self, finite: torch.Tensor) -> None:
+    def expert_balance(self) -> tuple[torch.Tensor, torch.Tensor]:
         """MoE: the step's tokens per expert and aux loss, summed over the ranks that routed different
-        tokens (one all-reduce); the expert bias moves towards balance, not after a step whose grad norm
-        is not finite (`finite`, on the device). The sums stay on the device for the log."""
+        tokens (one all-reduce) and, with fault tolerance, over the replica groups, before the commit
+        vote so that every group reduces alike. They stay on the device for the log."""
         counts, aux = global_balance(self.moe_layers, self.routing_group)
         if self.ft:
-            counts = self.ft.sum_over_groups(counts)  # every replica group moves its expert bias alike
-        update_expert_bias(self.moe_layers, counts * finite.to(counts.device))  # zero counts leave the bias where it is
-        self.balance = counts, aux
+            counts = self.ft.sum_over_groups(counts)
+        return counts, aux
+
+    def move_expert_bias(self, balance: tuple[torch.Tensor, torch.Tensor], finite: torch.Tensor, commit: bool) -> None:
+        """The bias stays put after a step whose grad norm is not finite or that did not commit (zero
+        counts); the counts start again from zero either way."""
+        update_expert_bias(self.moe_layers, balance[0] * (finite.to(balance[0].device) & commit))
+        self.balance = balance
 
     def skip_step(self, grad_norm: float) -> None:
         """A step whose gradients are not finite: the optimizer and lr schedule did not move."""

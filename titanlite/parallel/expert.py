@@ -49,6 +49,21 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
+class InFlight:
+    """Collectives launched and not yet waited for (true until `wait`)."""
+
+    def __init__(self):
+        self.works = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self.works)
+
+
 def segment_order(counts: torch.Tensor, total: int) -> torch.Tensor:
     """Rows laid out in segments (a, b) of counts[a, b] rows (`total` in all), in row-major order of
     (a, b): the row permutation that lays the same segments out in (b, a) order."""
@@ -106,14 +121,12 @@ class ExpertParallel(ParallelStyle):
         send, receive, tp_rows = sizes[:ep_ranks], sizes[ep_ranks:2 * ep_ranks], sizes[2 * ep_ranks:]
         ep_state = tp_state = None
         if self.ep:
-            pending = []  # the tokens' exchange runs while the layer's other work (shared experts) does
-            arrived = replay(lambda: _AllToAll.apply(tokens, receive, send, self.ep.get_group(), pending), bulky=True)
-            module.tokens_in_flight = bool(pending)  # observable: the shared experts run while this holds
+            # The tokens' exchange runs while the layer's other work (shared experts) does.
+            in_flight = module.tokens_in_flight = InFlight()
+            arrived = replay(lambda: _AllToAll.apply(tokens, receive, send, self.ep.get_group(), in_flight.works), bulky=True)
             if meanwhile and meanwhile[0] is not None:
                 meanwhile[0]()
-            for work in pending:
-                work.wait()
-            module.tokens_in_flight = False
+            in_flight.wait()
             # Arrived by (source rank, local expert); the experts want them by (local expert, source rank).
             ep_order = segment_order(received, sum(receive))
             tokens, counts, ep_state = arrived[ep_order], received.sum(dim=0), (ep_order, receive, send)
