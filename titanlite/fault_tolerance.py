@@ -8,12 +8,12 @@ every step:
   sync_gradients()   after backward, before clipping: the mean of each gradient shard with the same
                      shard of every other group (one all-reduce per dtype over torchft's process
                      group; a group still healing adds zeros and is not counted)
-  should_commit()    every group's ranks agree the step went through; only then the optimizer steps.
-                     A failed all-reduce (a group died mid-step) drops the step on every survivor,
-                     which redoes it with the next batch.
+  should_commit()    every rank of this group agrees the step went through; only then the optimizer
+                     steps. A group whose all-reduce failed (a group died mid-step) does not commit
+                     and redoes the step with the next batch; a group behind heals from one that did.
 A group that comes back takes the weights, buffers, optimizer states, lr schedule and step of a
-healthy peer, not a checkpoint; its data loader keeps its own position (each group reads its own
-part of the data: `data_position`).
+healthy peer, not a checkpoint. Each group reads its own part of the data (`data_position`); a
+restarted group starts its part from the beginning.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from datetime import timedelta
 import torch
 
 from titanlite.config import JobConfig
-from titanlite.errors import ConfigError
 
 
 class FaultToleranceFailed(RuntimeError):
@@ -55,10 +54,7 @@ class FaultTolerance:
     the Trainer (its model parts, optimizers, lr schedulers and step counters)."""
 
     def __init__(self, config: JobConfig, trainer):
-        try:
-            import torchft
-        except ImportError:
-            raise ConfigError("fault_tolerance.enable=true needs torchft: pip install -e '.[ft]'") from None
+        import torchft  # preflight.check_lighthouse said how to install it where it is missing
         ft = config.fault_tolerance
         self.trainer, self.replica_id, self.group_size = trainer, ft.replica_id, ft.group_size
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
