@@ -1,6 +1,8 @@
 """List every key of a TorchTitan JobConfig with its default, read from its source (nothing is run).
 
     python scripts/torchtitan_schema.py path/to/torchtitan/config/job_config.py > tests/torchtitan_v0_2_2_keys.json
+    python scripts/torchtitan_schema.py path/to/torchtitan/components/ft/config/job_config.py \
+        > tests/torchtitan_v0_2_2_ft_keys.json   # the keys its fault-tolerance experiment adds
 
 tests/test_config.py checks titanlite's schema against the committed list: every TorchTitan key
 exists here, with TorchTitan's default unless the test names the reason it differs.

@@ -14,6 +14,12 @@ every step:
 A group that comes back takes the weights, buffers, optimizer states, lr schedule and step of a
 healthy peer, not a checkpoint. Each group reads its own part of the data (`data_position`); a
 restarted group starts its part from the beginning.
+
+With `semi_sync_method` the groups train apart and meet every `sync_steps` steps, through torchft's
+own LocalSGD (the weights averaged) or DiLoCo (the mean of each group's change since the last sync,
+the pseudo-gradient, taken by an outer Nesterov SGD, lr 0.7 and momentum 0.9 as TorchTitan; streaming
+DiLoCo syncs `num_fragments` runs of blocks in turn). The quorum, healing and the commit happen at the
+syncs, in the optimizer's step hook; a failed sync's DiLoCo fragment goes back to its last synced weights.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
+from torch import nn
 
-from titanlite.config import JobConfig
+from titanlite.config import ConfigError, JobConfig
+from titanlite.parallel.pipeline import spread_modules
+
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD, TorchTitan's settings
 
 
 class FaultToleranceFailed(RuntimeError):
@@ -36,6 +46,8 @@ def reported(what: str, timeout_ms: int):
     """torchft's exceptions out of `what` (RuntimeError, TimeoutError, KeyError, its own) as one line."""
     try:
         yield
+    except FaultToleranceFailed:
+        raise  # said already, by a call inside this one
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise FaultToleranceFailed(
@@ -56,13 +68,17 @@ class FaultTolerance:
     def __init__(self, config: JobConfig, trainer):
         import torchft  # preflight.check_lighthouse said how to install it where it is missing
         ft = config.fault_tolerance
-        self.trainer, self.replica_id, self.group_size = trainer, ft.replica_id, ft.group_size
+        self.trainer, self.replica_id, self.group_size, self.settings = trainer, ft.replica_id, ft.group_size, ft
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-        group = (torchft.ProcessGroupGloo if ft.process_group == "gloo" else torchft.ProcessGroupNCCL)(timeout=timeout)
+        # torchft's process group between the groups: its size counts the groups of the last quorum, healing ones too.
+        self.group = (torchft.ProcessGroupGloo if ft.process_group == "gloo" else torchft.ProcessGroupNCCL)(timeout=timeout)
+        for optimizer in trainer.optimizers:  # a group that has not stepped holds the tensors a peer's state lands in
+            if not optimizer.state:
+                make_optimizer_state(optimizer)
         self.state, self.timeout_ms = self.recovery_tensors(), ft.process_group_timeout_ms
         with reported("joining the Lighthouse", self.timeout_ms):
-            self.manager = torchft.Manager(
-                pg=group,
+            self.manager = reporting_manager(torchft.Manager, ft.process_group_timeout_ms)(
+                pg=self.group,
                 min_replica_size=ft.min_replica_size,
                 load_state_dict=self.load_state,
                 state_dict=self.state_to_send,
@@ -72,9 +88,14 @@ class FaultTolerance:
                 # Every group starts from the same weights (debug.seed is required): torchft's step-0 sync
                 # would count the group it syncs as a participant of step 1 while zeroing its gradients.
                 init_sync=False,
+                # LocalSGD and DiLoCo agree on the quorum (and heal) at a sync, before its all-reduce.
+                use_async_quorum=ft.semi_sync_method is None,
             )
-        self.committed = True  # the last step's fate
-        self.steps_redone, self.stalled_seconds, self.step_start = 0, 0.0, 0.0
+        self.committed = True  # the last step's fate (a semi-sync step always commits: its sync may not)
+        self.steps_redone, self.lost_seconds, self.step_start, self.started = 0, 0.0, 0.0, None
+        self.semi_sync = None  # torchft's LocalSGD or DiLoCo, made at the first step (after a checkpoint load)
+        self.sync_every, self.inner_steps, self.syncs, self.syncs_failed = 0, 0, 0, 0
+        self.last_sync_end: dict[int, float] = {}  # per DiLoCo fragment
 
     def data_position(self, dp_rank: int, dp_degree: int) -> tuple[int, int]:
         """(rank, ranks) of this rank's loader among every group's data-parallel ranks."""
@@ -82,15 +103,13 @@ class FaultTolerance:
 
     def recovery_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parts of every parameter, persistent buffer and optimizer state, by name: what a
-        recovering peer copies in place. The optimizer states are made now (zero steps' worth), so
-        that a group that has not stepped yet holds the tensors a peer's state lands in."""
+        recovering peer copies in place. Gathered on the main thread, at start and after a checkpoint load
+        (which may replace the tensors): torchft sends them from its quorum thread while FSDP runs the forward."""
         t, tensors = self.trainer, {}
         for part, optimizer in zip(t.model_parts, t.optimizers):
             names = {id(p): name for name, p in part.named_parameters()}
             for name, value in part.state_dict().items():
                 tensors[f"model.{name}"] = local(value)
-            if not optimizer.state:
-                make_optimizer_state(optimizer)
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     for key, value in optimizer.state[p].items():
@@ -122,18 +141,73 @@ class FaultTolerance:
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):
                 group["lr"] = lr
 
+    def resumed(self, step: int) -> None:
+        """After loading a checkpoint of the whole state at `step`: the groups that resumed nothing
+        (step 0) heal from the newest."""
+        self.state = self.recovery_tensors()
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    def writes_model(self) -> bool:
+        """Whether this group writes the model and optimizer at a checkpoint (one group does: the first
+        of the last quorum; before a semi-sync method's first sync, group 0); the others save their data position."""
+        rank = self.manager.participating_rank()
+        return rank == 0 if rank is not None or self.manager.num_participants() else self.replica_id == 0
+
     def start_step(self) -> None:
         self.step_start = time.perf_counter()
-        self.manager.start_quorum()
+        if self.started is None:
+            self.started = self.step_start
+        if not self.settings.semi_sync_method:
+            self.manager.start_quorum()
+        elif self.semi_sync is None:
+            self.semi_sync = self.start_semi_sync()
+
+    def start_semi_sync(self):
+        """torchft's LocalSGD or DiLoCo on the model and its optimizer, its hooks on the optimizer's
+        step between two of ours: one notes when a sync starts, the other whether it committed."""
+        from torchft import local_sgd
+
+        ft, model, optimizer = self.settings, self.trainer.model_parts[0], self.trainer.optimizers[0]
+        optimizer.register_step_post_hook(self.before_sync)
+        if ft.semi_sync_method == "local_sgd":
+            method, self.sync_every = local_sgd.LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps), ft.sync_steps
+        else:
+            parts = fragments(model, self.trainer.plan, ft.module_fqns_per_model_fragment, ft.num_fragments)
+            outer = [torch.optim.SGD(part.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True) for part in parts]
+            method = local_sgd.DiLoCo(
+                self.manager, parts, optimizer, outer, sync_every=ft.sync_steps, should_quantize=ft.should_quantize,
+                fragment_sync_delay=ft.fragment_sync_delay, fragment_update_alpha=ft.fragment_update_alpha,
+            )
+            self.sync_every = ft.sync_steps // len(parts)
+        method.__enter__()
+        optimizer.register_step_post_hook(self.after_sync)
+        self.last_sync_end = dict.fromkeys(range(ft.sync_steps // self.sync_every), time.perf_counter())
+        return method
+
+    def before_sync(self, *_) -> None:
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self.sync_start, self.sync_step = time.perf_counter(), self.manager.current_step()
+
+    def after_sync(self, *_) -> None:
+        """A sync that did not commit: LocalSGD keeps the local weights, DiLoCo's fragment goes back to
+        its last synced ones, so its steps since then count as lost."""
+        if self.inner_steps % self.sync_every:
+            return
+        self.syncs += 1
+        fragment = self.sync_step % len(self.last_sync_end)
+        if self.manager.current_step() == self.sync_step:
+            self.syncs_failed += 1
+            if self.settings.semi_sync_method == "diloco":
+                self.lost_seconds += self.sync_start - self.last_sync_end[fragment]
+        self.last_sync_end[fragment] = time.perf_counter()
 
     def sync_gradients(self, params: list[torch.Tensor]) -> None:
-        """The mean over the participating groups of each of this rank's gradient shards, in place.
-        Waiting for the quorum (a dead group is dropped after the Lighthouse's heartbeat timeout)
-        counts as time stalled."""
-        start = time.perf_counter()
-        with reported("the quorum", self.timeout_ms):
-            self.manager.wait_quorum()
-        self.stalled_seconds += time.perf_counter() - start
+        """The mean over the participating groups of each of this rank's gradient shards, in place
+        (every step; semi-sync methods meet at their syncs instead)."""
+        if self.settings.semi_sync_method:
+            return
+        self.manager.wait_quorum()
         grads = [local(p.grad) for p in params if p.grad is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):  # the same order in every group
             same = [g for g in grads if g.dtype == dtype]
@@ -147,26 +221,54 @@ class FaultTolerance:
         bias alike)."""
         from torch.distributed import ReduceOp
 
+        if self.settings.semi_sync_method:  # each group balances its own experts between syncs
+            return t
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
         return t
 
     def should_commit(self) -> bool:
-        with reported("the commit vote (or healing from a peer)", self.timeout_ms):
-            self.committed = self.manager.should_commit()
-        if not self.committed:  # the whole step is lost
+        """Whether this step counts: every rank of this group went through it, and no group took a
+        peer's state in it. A healing group's gradient counts for nothing (torchft zeroes it), so every
+        group redoes such a step with the same batch: each step that counts averages every group's batch,
+        and a full restart (one group resumes the model, the others heal from it) resumes exactly."""
+        if self.settings.semi_sync_method:
+            return True
+        self.committed = self.manager.should_commit() and self.group.size() == self.manager.num_participants()
+        if not self.committed:  # the whole step is redone
             self.steps_redone += 1
-            self.stalled_seconds += time.perf_counter() - self.step_start
+            self.lost_seconds += time.perf_counter() - self.step_start
         return self.committed
 
+    @property
+    def stalled_seconds(self) -> float:
+        """Time lost to failures: waits for the quorum (a dead group is dropped after the Lighthouse's
+        heartbeat timeout; a recovery), steps redone, and DiLoCo's steps undone by a failed sync."""
+        return self.manager.quorum_seconds + self.lost_seconds
+
+    def goodput(self) -> float:
+        """The share of the wall time since the first step that was not stalled."""
+        wall = time.perf_counter() - self.started if self.started is not None else 0.0
+        return 1.0 - self.stalled_seconds / wall if wall > 0 else 1.0
+
     def metrics(self) -> dict[str, float]:
-        """For a log step: the groups that took part in the last step (whether this one did: not while
-        it heals), steps redone and time stalled (redone steps, waits for the quorum) so far."""
-        return {
+        """For a log step: the groups that took part in the last step or sync (whether this one did:
+        not while it heals), steps redone, time stalled and goodput so far; the syncs of a semi-sync method."""
+        metrics = {
             "ft_replicas": float(self.manager.num_participants()),
             "ft_participating": float(self.manager.is_participating()),
             "ft_steps_redone": float(self.steps_redone),
             "ft_stalled_seconds": self.stalled_seconds,
+            "ft_goodput": self.goodput(),
         }
+        if self.settings.semi_sync_method:
+            metrics |= {"ft_syncs": float(self.syncs), "ft_syncs_failed": float(self.syncs_failed)}
+        return metrics
+
+    def summary(self) -> str:
+        """The run's fault-tolerance figures, for the last console line."""
+        syncs = f", {self.syncs} syncs ({self.syncs_failed} failed)" if self.settings.semi_sync_method else ""
+        return (f"fault tolerance: goodput {100 * self.goodput():.1f}%, {self.stalled_seconds:.1f}s stalled, "
+                f"steps redone: {self.steps_redone}{syncs}")
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -183,3 +285,64 @@ def make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"].zero_()
         elif "step" in state:
             state["step"] = 0
+
+
+def reporting_manager(manager_class: type, timeout_ms: int) -> type:
+    """torchft's Manager, its failures reported in one line and its waits for a quorum timed into
+    `quorum_seconds` (the other groups, a dead one's heartbeat timeout, a recovery), whether the
+    Trainer calls it or torchft's LocalSGD and DiLoCo do."""
+
+    class ReportingManager(manager_class):
+        quorum_seconds, timing = 0.0, False
+
+        @contextmanager
+        def timed(self, what: str):
+            """Times the outermost call only: a synchronous start_quorum calls wait_quorum."""
+            outermost, self.timing, start = not self.timing, True, time.perf_counter()
+            try:
+                with reported(what, timeout_ms):
+                    yield
+            finally:
+                if outermost:
+                    self.quorum_seconds += time.perf_counter() - start
+                    self.timing = False
+
+        def start_quorum(self, *args, **kwargs) -> None:
+            with self.timed("the quorum (or healing from a peer)"):
+                super().start_quorum(*args, **kwargs)
+
+        def wait_quorum(self) -> None:
+            with self.timed("the quorum"):
+                super().wait_quorum()
+
+        def should_commit(self, *args, **kwargs) -> bool:
+            with reported("the commit vote (or healing from a peer)", timeout_ms):
+                return super().should_commit(*args, **kwargs)
+
+    return ReportingManager
+
+
+def fragments(model: nn.Module, plan, names: list[list[str]], count: int) -> list[nn.Module]:
+    """DiLoCo's fragments: the modules named per fragment, or `count` runs of consecutive blocks (the
+    embedding and the output each counted as a block, as TorchTitan). Every parameter in exactly one."""
+    blocks = [f"{plan.blocks}.{key}" for key in getattr(model, plan.blocks).keys()]
+    names = [list(part) for part in names] or spread_modules(list(plan.head), blocks, list(plan.tail), count, 1, 1)
+    modules = dict(model.named_modules())
+    unknown = [name for part in names for name in part if name not in modules]
+    if unknown:
+        raise ConfigError(
+            f"fault_tolerance.module_fqns_per_model_fragment names {unknown[0]!r}, not a module of the model; "
+            f"use names from {', '.join([*plan.head, *blocks, *plan.tail])}"
+        )
+    parts = [nn.ModuleList([modules[name] for name in part]) for part in names]
+    owners = {}
+    for i, part in enumerate(parts):
+        for p in part.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    alone = {id(p) for p in model.parameters()} - set(owners)
+    if alone or any(len(o) > 1 for o in owners.values()):
+        raise ConfigError(
+            f"fault_tolerance.module_fqns_per_model_fragment={names} must hold every parameter in exactly one "
+            f"fragment ({len(alone)} in none, {sum(len(o) > 1 for o in owners.values())} in several)"
+        )
+    return parts

@@ -142,6 +142,8 @@ def train(trainer: Trainer) -> None:
             "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
         )
     resumed = trainer.checkpointer.load()
+    if trainer.ft:
+        trainer.ft.resumed(trainer.step)
     c = trainer.config.checkpoint
     biased = any(bool(layer.expert_bias.any()) for layer in trainer.moe_layers)
     # Asked of every rank (a pipeline stage may hold no MoE layer), so all stop here alike, not rank 0
@@ -157,7 +159,8 @@ def train(trainer: Trainer) -> None:
     data_iter = iter(trainer.dataloader)
     loss = float("nan")
     trainer.profiler = Profiler(trainer.config, dist.get_rank(), trainer.device)
-    first_step, first_tokens = trainer.step + 1, trainer.tokens_seen
+    redo = False  # the last step did not commit (fault tolerance): its batch again
+    trained = 0  # steps this process trained (not a resumed run's, not those of a peer it healed from)
     while trainer.step < t.steps:
         trainer.step += 1
         if t.gc_debug:
@@ -165,14 +168,17 @@ def train(trainer: Trainer) -> None:
         elif trainer.step % t.gc_freq == 0:
             gc.collect(1)
         data_start = time.perf_counter()
-        microbatches = trainer.next_microbatches(data_iter)
+        if not redo:
+            microbatches = trainer.next_microbatches(data_iter)
         data_seconds = time.perf_counter() - data_start
         local_loss, grad_norm = trainer.train_step(microbatches)
-        if trainer.ft and not trainer.ft.committed:
-            log_line(f"step {trainer.step} not committed (a replica group failed in it): redone with the next batch")
+        redo = trainer.ft is not None and not trainer.ft.committed
+        if redo:
+            log_line(f"step {trainer.step} not committed (a replica group failed or healed in it): redone with the same batch")
             trainer.step -= 1
             continue
         trainer.tokens_seen += tokens_per_step * trainer.dp_degree
+        trained += 1
         trainer.metrics.record_step(tokens_per_step, data_seconds)
         last = trainer.step == t.steps
         # Only log, validation and checkpoint steps wait for the device (and reduce the loss).
@@ -190,16 +196,16 @@ def train(trainer: Trainer) -> None:
             trainer.metrics.reset()  # keep evaluation time out of the next throughput window
         trainer.checkpointer.maybe_save(trainer.step, last)
         trainer.profiler.after_step(trainer.step)
-        if trainer.step == first_step:
+        if trained == 1:
             shorten_collective_timeout(trainer)
     trainer.checkpointer.wait()
     trainer.profiler.close()
     elapsed = time.perf_counter() - trainer.metrics.start
-    tokens = trainer.tokens_seen - first_tokens  # a resumed run counts only what this process trained
+    tokens = trained * tokens_per_step * trainer.dp_degree
     log_line(
-        f"done: {trainer.step} steps, final loss {loss:.4f}; this run: {trainer.step - first_step + 1} steps, "
+        f"done: {trainer.step} steps, final loss {loss:.4f}; this run: {trained} steps, "
         f"{tokens:,} tokens in {elapsed:.1f}s ({tokens / elapsed / trainer.dims.world_size:,.0f} tokens/s per device); "
-        f"metrics in {trainer.metrics.folder / 'metrics.jsonl'}"
+        f"metrics in {trainer.metrics.folder / 'metrics.jsonl'}" + (f"; {trainer.ft.summary()}" if trainer.ft else "")
     )
     trainer.metrics.close()
 

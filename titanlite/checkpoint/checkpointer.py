@@ -146,7 +146,9 @@ class Checkpointer:
 
     # ---- what is saved ----
 
-    def state(self, model_only: bool = False, dtype: torch.dtype | None = None) -> dict:
+    def state(self, model_only: bool = False, dtype: torch.dtype | None = None, data_only: bool = False) -> dict:
+        """What a checkpoint holds: everything; the model alone (`model_only`, in `dtype`); or this rank's
+        data position alone (`data_only`: a fault-tolerant replica group that does not write the model)."""
         t = self.trainer
         if model_only:
             dtype = dtype or DTYPES[self.c.export_dtype]
@@ -161,6 +163,8 @@ class Checkpointer:
             train["rng_cuda"] = torch.cuda.get_rng_state()
         workers = t.config.training.dataloader.num_workers
         loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict()}
+        if data_only:
+            return {"dataloader": {f"dp{t.dp_rank}": json_tensor(loader)}}
         return {
             "model": model_state(t.model_parts),
             "optimizer": tensors_only(optimizer_state(t.model_parts, t.optimizers)),
@@ -181,12 +185,17 @@ class Checkpointer:
         if not self.due(step, last):
             return
         model_only = last and self.c.last_save_model_only
+        # Fault tolerance: the model once, by one replica group; the others keep their data position
+        # (each group writes its own final save, the result of its run).
+        data_only = self.trainer.ft is not None and not last and not self.trainer.ft.writes_model()
+        if data_only and not self.c.enable_ft_dataloader_checkpoints:
+            return
         self.save(step, model_only=model_only, asynchronous=self.c.async_mode != "disabled" and not last,
-                  in_hf=last and self.c.last_save_in_hf)
+                  in_hf=last and self.c.last_save_in_hf, data_only=data_only)
 
     def save(
         self, step: int, model_only: bool = False, asynchronous: bool = False, dtype: torch.dtype | None = None,
-        in_hf: bool = False,
+        in_hf: bool = False, data_only: bool = False,
     ) -> None:
         self.wait()  # one save in flight at a time
         final = self.folder / f"step-{step}"
@@ -195,7 +204,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         dist.barrier()
         start = time.perf_counter()
-        state = self.state(model_only, dtype)
+        state = self.state(model_only, dtype, data_only)
         if asynchronous:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.checkpoint_group, **self.stager())
             self.pending = (future, tmp, final)
@@ -206,7 +215,7 @@ class Checkpointer:
         if in_hf:
             self.convert_to_hf(tmp)
         self.commit(tmp, final)
-        what = " (Hugging Face safetensors)" if in_hf else " (model only)" if model_only else ""
+        what = " (Hugging Face safetensors)" if in_hf else " (model only)" if model_only else " (data position only)" if data_only else ""
         log_line(f"checkpoint step {step}{what} saved to {final} in {time.perf_counter() - start:.2f}s")
 
     def convert_to_hf(self, folder: Path) -> None:
@@ -282,8 +291,8 @@ class Checkpointer:
         """The run's own checkpoint to resume: `chosen` if it holds the training state (or is the
         step-0 seed), else the newest one that does. A model-only final save (last_save_model_only,
         last_save_in_hf) cannot continue training, so resuming past it would restart at step 0."""
-        if self.resumable(chosen):
-            return chosen
+        if self.resumable(chosen) or self.trainer.ft and self.parts_of(chosen) == {"dataloader"}:
+            return chosen  # a replica group's data position: its weights come from a peer
         if self.c.load_step >= 0:
             raise ConfigError(
                 f"checkpoint.load_step={self.c.load_step}: {chosen} holds the model only (a last_save_model_only "
@@ -302,10 +311,14 @@ class Checkpointer:
         )
 
     @staticmethod
-    def resumable(path: Path) -> bool:
+    def parts_of(path: Path) -> set[str]:
+        return set() if is_hf_checkpoint(path) else {key.split(".", 1)[0] for key in read_tensor_metadata(path, ())[1]}
+
+    @classmethod
+    def resumable(cls, path: Path) -> bool:
         if is_hf_checkpoint(path):
             return False
-        keys = {key.split(".", 1)[0] for key in read_tensor_metadata(path, ())[1]}
+        keys = cls.parts_of(path)
         if "train" in keys:
             raise ConfigError(
                 f"checkpoint '{path}' was written by a titanlite older than its TorchTitan v0.2.2 schema (a 'train' "
@@ -384,7 +397,10 @@ class Checkpointer:
                 torch.cuda.set_rng_state(s["rng_cuda"])
         if "dataloader" in state:
             self.load_dataloader(state["dataloader"])
-        log_line(f"loaded checkpoint {path} ({', '.join(sorted(parts))}) at step {t.step}")
+        if parts == {"dataloader"}:
+            log_line(f"loaded this replica group's data position from {path}; its weights and step come from a peer")
+        else:
+            log_line(f"loaded checkpoint {path} ({', '.join(sorted(parts))}) at step {t.step}")
 
     def load_dataloader(self, saved: dict) -> None:
         t = self.trainer

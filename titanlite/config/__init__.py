@@ -7,7 +7,8 @@ it starts torchrun. Bad input raises ConfigError (titanlite/errors.py): one line
 
 from titanlite.config.keys import LEAVES, get
 from titanlite.config.reading import help_text, load_toml, parse_args
-from titanlite.config.schema import FLOAT8_CONVERTERS, JobConfig, float8_recipe
+from titanlite.config.quantize import FLOAT8_CONVERTERS, float8_recipe
+from titanlite.config.schema import JobConfig
 from titanlite.config.validation import validate
 from titanlite.errors import ConfigError
 

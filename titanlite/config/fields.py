@@ -31,6 +31,4 @@ def section(cls):
 
 # What to use instead, for keys whose feature titanlite lacks.
 NO_MOE = "titanlite's MoE family does not have it yet"
-NO_TORCHFT = "titanlite's torchft groups heal from a live peer, not from a per-group data loader checkpoint"
-NO_SEMI_SYNC = "titanlite's torchft groups all-reduce gradients every step; LocalSGD and DiLoCo are not built yet"
 NO_MX = "MX formats are not implemented; use model.converters = [\"float8\"]"

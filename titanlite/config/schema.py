@@ -13,12 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.config.fields import NO_MOE, NO_MX, NO_SEMI_SYNC, NO_TORCHFT, opt, section
+from titanlite.config.fields import NO_MOE, NO_MX, opt, section
+from titanlite.config.quantize import FLOAT8_CONVERTERS, Float8Linear, Quantize
 from titanlite.config.writing import toml_text
 from titanlite.models import FAMILIES
-
-FLOAT8_CONVERTERS = ("quantize.linear.float8", "float8")
-
 
 @dataclass
 class Job:
@@ -275,7 +273,8 @@ class Parallelism:
 class Checkpoint:
     enable: bool = opt(False, "save distributed checkpoints and resume from the latest complete one")
     enable_ft_dataloader_checkpoints: bool = opt(
-        True, "TorchFT's per-replica data loader checkpoints", not_implemented=NO_TORCHFT + " (the data position is always saved)"
+        True, "fault tolerance: at a checkpoint the groups that do not write the model save their data position "
+        "(false: a restarted group reads its data from the start)"
     )
     folder: str = opt("checkpoint", "checkpoint folder, inside dump_folder (step-N subfolders)")
     interval: int = opt(500, "save every N steps (and at the last step)")
@@ -334,55 +333,6 @@ class Compile:
 
 
 @dataclass
-class Float8Linear:
-    enable_fsdp_float8_all_gather: bool = opt(False, "FSDP all-gathers weights in float8 (tensorwise recipe)")
-    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
-        False, "with float8 all-gather: all weights' scales from one all-reduce per step"
-    )
-    recipe_name: str | None = opt(
-        None, "scaling recipe; none = tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", None)
-    )
-    filter_fqns: list[str] = opt([], "linear layers to keep in high precision (name substrings), e.g. output")
-    emulate: bool = opt(False, "multiply dequantized float8 values in high precision (no float8 matmul hardware)")
-
-
-@dataclass
-class Float8GroupedMM:
-    fqns: list[str] = opt([], "MoE modules (name substrings, e.g. experts) whose routed experts run float8 grouped GEMMs")
-
-
-@dataclass
-class MXLinear:
-    mxfp8_dim1_cast_kernel_choice: str = opt("triton", "MX cast kernel", not_implemented=NO_MX)
-    recipe_name: str = opt("mxfp8_cublas", "MX recipe", not_implemented=NO_MX)
-    filter_fqns: list[str] = opt(["output"], "linear layers kept in high precision", not_implemented=NO_MX)
-
-
-@dataclass
-class MXGroupedMM:
-    recipe_name: str = opt("mxfp8", "MX recipe of grouped GEMMs", not_implemented=NO_MX)
-    fqns: list[str] = opt([], "MoE layers whose grouped GEMMs run in MX", not_implemented=NO_MX)
-
-
-@dataclass
-class QuantizedLinear:
-    float8: Float8Linear = section(Float8Linear)
-    mx: MXLinear = section(MXLinear)
-
-
-@dataclass
-class QuantizedGroupedMM:
-    float8: Float8GroupedMM = section(Float8GroupedMM)
-    mx: MXGroupedMM = section(MXGroupedMM)
-
-
-@dataclass
-class Quantize:
-    linear: QuantizedLinear = section(QuantizedLinear)
-    grouped_mm: QuantizedGroupedMM = section(QuantizedGroupedMM)
-
-
-@dataclass
 class Comm:
     init_timeout_seconds: int = opt(300, "timeout of collectives until the first step is done")
     train_timeout_seconds: int = opt(100, "timeout of collectives after the first step (catches hangs sooner)")
@@ -416,7 +366,20 @@ class FaultTolerance:
     replica_id: int = opt(0, "this replica group's id, 0 .. group_size - 1")
     group_size: int = opt(0, "how many replica groups the job has")
     min_replica_size: int = opt(1, "fewest replica groups that may commit a step")
-    semi_sync_method: str | None = opt(None, "local_sgd or diloco", not_implemented=NO_SEMI_SYNC)
+    semi_sync_method: str | None = opt(
+        None, "local_sgd or diloco: groups train apart and meet every sync_steps steps; none = gradients every step",
+        choices=("local_sgd", "diloco", None),
+    )
+    # torchtitan/components/ft/config: the keys TorchTitan's FT experiment adds.
+    sync_steps: int = opt(5, "local_sgd/diloco: inner steps between syncs")
+    should_quantize: bool = opt(False, "diloco: all-reduce the pseudo-gradients in float8 (torchft; needs triton, a GPU)")
+    fragment_sync_delay: int = opt(0, "streaming diloco: inner steps a fragment's all-reduce runs before it is waited for")
+    fragment_update_alpha: float = opt(0.0, "streaming diloco: share of the local weights kept at a sync (0 = the global ones)")
+    module_fqns_per_model_fragment: list[list[str]] = opt(
+        [], "diloco fragments by module name, e.g. [[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"norm\", \"output\"]]; "
+        "empty = num_fragments runs of consecutive blocks"
+    )
+    num_fragments: int = opt(1, "streaming diloco: fragments synced in turn, sync_steps / num_fragments steps apart")
 
 
 @dataclass
@@ -493,7 +456,3 @@ class JobConfig:
     @property
     def dry_run(self) -> bool:
         return self.comm.mode == "fake_backend"
-
-
-def float8_recipe(f8: Float8Linear) -> str:
-    return f8.recipe_name or "tensorwise"

@@ -4,7 +4,8 @@ ParallelDims; a model family's own checks in its folder, called through the regi
 from __future__ import annotations
 
 from titanlite.config.keys import LEAVES, default_value, get
-from titanlite.config.schema import FLOAT8_CONVERTERS, JobConfig, float8_recipe
+from titanlite.config.quantize import FLOAT8_CONVERTERS, float8_recipe
+from titanlite.config.schema import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models import FAMILIES
 from titanlite.models.common.args import with_overrides
@@ -45,7 +46,8 @@ def validate(config: JobConfig) -> None:
         "whole window; set model.attn_mask_type='block_causal', or reset_position_ids=false",
     )
     # The flavor's shapes as the config changes them: the family checks its own [model] keys against them.
-    FAMILIES[config.model.name].check_config(config.model, with_overrides(flavors[config.model.flavor], config.model.flavor_overrides))
+    args = with_overrides(flavors[config.model.flavor], config.model.flavor_overrides)
+    FAMILIES[config.model.name].check_config(config.model, args)
     t, m, p, v, c = config.training, config.metrics, config.parallelism, config.validation, config.checkpoint
     for name, value in [
         ("training.local_batch_size", t.local_batch_size),
@@ -167,6 +169,7 @@ def validate(config: JobConfig) -> None:
         f"activation_checkpoint.selective_ac_option='{sac}' must be 'op' or a positive integer",
     )
     check_fault_tolerance(config)
+    check_semi_sync(config, args.n_layers)
 
 
 def check_fault_tolerance(config: JobConfig) -> None:
@@ -195,4 +198,44 @@ def check_fault_tolerance(config: JobConfig) -> None:
         f"parallelism.data_parallel_replicate_degree={config.parallelism.data_parallel_replicate_degree} with "
         "fault_tolerance.enable=true: torchft's replica groups are the replicate dim; set it to 1 and start "
         "fault_tolerance.group_size groups",
+    )
+
+
+def check_semi_sync(config: JobConfig, n_layers: int) -> None:
+    """LocalSGD and (streaming) DiLoCo: torchft's schedule, checked before launch."""
+    ft = config.fault_tolerance
+    if not (ft.enable and ft.semi_sync_method):
+        return
+    method = f"fault_tolerance.semi_sync_method='{ft.semi_sync_method}'"
+    _require(ft.sync_steps >= 1, f"fault_tolerance.sync_steps={ft.sync_steps} must be >= 1 (inner steps between syncs)")
+    _require(
+        config.parallelism.pipeline_parallel_degree == 1,
+        f"{method} with parallelism.pipeline_parallel_degree={config.parallelism.pipeline_parallel_degree}: a semi-sync "
+        "group keeps one optimizer per rank here; set pipeline_parallel_degree=1 or semi_sync_method to none",
+    )
+    fragments = len(ft.module_fqns_per_model_fragment) or ft.num_fragments
+    if ft.semi_sync_method == "local_sgd":
+        _require(
+            fragments == 1,
+            f"fault_tolerance.num_fragments={fragments} with {method}: fragments are DiLoCo's; set num_fragments=1 or use diloco",
+        )
+        return
+    _require(
+        1 <= fragments <= n_layers,
+        f"fault_tolerance.num_fragments={fragments} must be between 1 and the model's {n_layers} blocks "
+        "(each fragment holds whole blocks)",
+    )
+    _require(
+        ft.sync_steps % fragments == 0,
+        f"fault_tolerance.sync_steps={ft.sync_steps} must be a multiple of num_fragments={fragments} "
+        "(one fragment syncs every sync_steps / num_fragments steps)",
+    )
+    _require(
+        0 <= ft.fragment_sync_delay < ft.sync_steps // fragments,
+        f"fault_tolerance.fragment_sync_delay={ft.fragment_sync_delay} must be between 0 and sync_steps / num_fragments - 1 = "
+        f"{ft.sync_steps // fragments - 1}: a fragment's all-reduce must land before its next one starts",
+    )
+    _require(
+        0.0 <= ft.fragment_update_alpha <= 1.0,
+        f"fault_tolerance.fragment_update_alpha={ft.fragment_update_alpha} must be between 0 (the synced weights) and 1 (the local ones)",
     )

@@ -84,7 +84,7 @@ def stage_module_names(config: JobConfig, plan, n_layers: int, pp: int, multi_st
     counted = n_layers + first + last
     lps = p.pipeline_parallel_layers_per_stage
     n_stages = math.ceil(counted / lps) if lps else pp * (2 if multi_stage else 1)
-    base, extra = divmod(counted, n_stages)
+    base = counted // n_stages
     if base < max(first, last, 1):
         raise ConfigError(
             f"{n_stages} pipeline stages for {n_layers} layers (+{first} for {', '.join(head)}, +{last} for "
@@ -92,14 +92,22 @@ def stage_module_names(config: JobConfig, plan, n_layers: int, pp: int, multi_st
             f"leave {base} per stage, fewer than the first/last stage give up; use fewer stages, a larger "
             "parallelism.pipeline_parallel_layers_per_stage, or smaller pipeline_parallel_first/last_stage_less_layers"
         )
-    stages, layer = [], 0
-    for s in range(n_stages):
+    return spread_modules(head, blocks, tail, n_stages, first, last)
+
+
+def spread_modules(head: list[str], blocks: list[str], tail: list[str], n_parts: int, first: int, last: int) -> list[list[str]]:
+    """head + blocks + tail in `n_parts` runs (pipeline stages, DiLoCo's fragments): the head counts as
+    `first` blocks and the tail as `last`, and the blocks so counted are spread evenly, earlier parts
+    taking the remainder."""
+    base, extra = divmod(len(blocks) + first + last, n_parts)
+    parts, layer = [], 0
+    for s in range(n_parts):
         size = base + (1 if s < extra else 0)
-        size -= (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+        size -= (first if s == 0 else 0) + (last if s == n_parts - 1 else 0)
         names = blocks[layer : layer + size]
         layer += len(names)
-        stages.append((head if s == 0 else []) + names + (tail if s == n_stages - 1 else []))
-    return stages
+        parts.append((head if s == 0 else []) + names + (tail if s == n_parts - 1 else []))
+    return parts
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, n_stages: int, schedule_name: str, multi_stage: bool) -> list[int]:
