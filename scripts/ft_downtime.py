@@ -152,14 +152,14 @@ def main() -> None:
             print(f"{name} #{i + 1}: {figures}", flush=True)
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
     ft, restart = median["fault tolerance"], median["torchrun restart"]
-    print(f"\nmedian of {a.repeats}; kill at step {a.kill_at} of {a.steps}; 2 x {a.ranks} rank(s)\n")
-    print("| failure handled by | steps lost | steps redone | survivor's stall (s) | back after (s) | time to the next step (s) |")
-    print("|---|---|---|---|---|---|")
-    print(f"| torchft replica groups | {ft['steps_lost']:.0f} | {ft['steps_redone']:.0f} | {ft['stall_s']:.2f} | "
-          f"{ft['back_after_s']:.1f} | 0 (the survivor never stops) |")
+    print(f"\nmedian of {a.repeats}; kill at step {a.kill_at} of {a.steps}; 2 x {a.ranks} rank(s); the Lighthouse drops a "
+          "silent group after 2 s\n")
+    print("| failure handled by | progress lost (steps) | steps computed again | training paused (s) | failed part back after (s) |")
+    print("|---|---|---|---|---|")
+    print(f"| torchft replica groups | {ft['steps_lost']:.0f} | {ft['steps_redone']:.0f} | {ft['stall_s']:.2f} (the survivor) | "
+          f"{ft['back_after_s']:.1f} |")
     print(f"| torchrun restart, checkpoint every {a.interval} steps | {restart['steps_lost']:.0f} | {restart['steps_lost']:.0f} | "
-          f"all ranks stop | {restart['next_step_after_s']:.1f} | {restart['next_step_after_s']:.1f} |")
-
+          f"{restart['next_step_after_s']:.1f} (every rank) | {restart['next_step_after_s']:.1f} |")
 
 if __name__ == "__main__":
     main()
