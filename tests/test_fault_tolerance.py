@@ -196,9 +196,10 @@ def test_a_killed_replica_group_heals_from_the_survivor_and_rejoins(corpus_jsonl
     assert alone, (survivor_rows, killed_at)
     # The step the kill cut short was redone (its all-reduce failed); the wait for the Lighthouse to drop
     # the dead group (its 2 s heartbeat timeout) shows as time stalled.
-    # Redone: the step the kill broke, and the step the victim healed in (its gradient counts for nothing:
-    # every group does it again with the same batch); maybe one more, where the other group joined at the start.
-    assert 2 <= survivor_rows[-1]["ft_steps_redone"] <= 3 and survivor_rows[-1]["ft_stalled_seconds"] > 1.0, survivor_rows[-1]
+    # Redone: the step the victim healed in (its gradient counts for nothing: every group does it again
+    # with the same batch); the step the kill broke, unless the kill fell between two quorums; and the
+    # step the other group joined in at the start, if one did.
+    assert 1 <= survivor_rows[-1]["ft_steps_redone"] <= 3 and survivor_rows[-1]["ft_stalled_seconds"] > 1.0, survivor_rows[-1]
     assert 0.0 < survivor_rows[-1]["ft_goodput"] < 1.0, survivor_rows[-1]
     assert "healed in it): redone with the same batch" in (folders[survivor] / "out.log").read_text()
     back_rows = logged(back_folder)
