@@ -23,7 +23,7 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # TorchTitan's outer Nesterov SGD
 def group_worker(replica_id: int, folder: str, steps: int, extra: list[str]) -> None:
     """One replica group of one rank: the real Trainer and its torchft Manager, fed batches of its own
     (seeded by group and step). Saves every step's weights just before torchft's sync (an optimizer
-    step hook registered before the first step, so it runs before the one torchft adds then) and after it."""
+    step hook put first, before torchft's) and after it."""
     from titanlite.config import parse_args
     from titanlite.train import init_distributed
     from titanlite.trainer import Trainer
@@ -35,7 +35,9 @@ def group_worker(replica_id: int, folder: str, steps: int, extra: list[str]) -> 
                                   "--fault_tolerance.replica_id", str(replica_id), *extra))
     trainer = Trainer(config, init_distributed(config))
     record, before = {"initial": weights(trainer), "steps": []}, {}
-    trainer.optimizers[0].register_step_post_hook(lambda *_: before.update(weights=weights(trainer)))
+    optimizer = trainer.optimizers[0]
+    handle = optimizer.register_step_post_hook(lambda *_: before.update(weights=weights(trainer)))
+    optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)  # before torchft's, which syncs
     for step in range(1, steps + 1):
         trainer.step = step
         g = torch.Generator().manual_seed(1000 * replica_id + step)
@@ -135,6 +137,10 @@ def test_semi_sync_settings_are_checked_before_launch():
         ([*method, "local_sgd", "--fault_tolerance.num_fragments", "2"], ["num_fragments=2", "DiLoCo's"]),
         ([*method, "diloco", "--parallelism.pipeline_parallel_degree", "2"], ["pipeline_parallel_degree=2", "set pipeline_parallel_degree=1"]),
         ([*method, "adam"], ["semi_sync_method", "adam"]),
+        ([*method, "diloco", "--checkpoint.enable", "--checkpoint.interval", "12"], ["checkpoint.interval=12", "multiple of fault_tolerance.sync_steps=5"]),
+        ([*method, "local_sgd", "--training.skip_nonfinite_steps"], ["skip_nonfinite_steps=true", "set it to false"]),
+        ([*method, "local_sgd", "--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.enable_first_step_checkpoint"],
+         ["enable_first_step_checkpoint=true", "set it to false"]),
     ]:
         with pytest.raises(ConfigError) as err:
             parse_args(args)
@@ -211,3 +217,43 @@ def test_a_group_killed_between_syncs_heals_at_a_sync_and_the_survivor_loses_not
     names = [k.removeprefix("model.") for k in weights]
     parts = [{f"model.{k}" for k in part} for part in torchtitan_fragments(names, fragments)] if fragments > 1 else [weights]
     assert same in parts, sorted(weights - same)[:5]
+
+
+@pytest.mark.slow
+def test_a_full_restart_under_streaming_diloco_resumes_exactly(corpus_jsonl, tmp_path):
+    """2 groups x FSDP 2 under streaming DiLoCo (2 fragments, one synced every 2 steps), a checkpoint
+    every 4 steps in every group (their weights and optimizers differ between syncs) with DiLoCo's last
+    synced weights and outer momentum and torchft's step. Both groups are killed after step 6 and
+    started again: each resumes step 4, and steps 5-12 log the losses of an unbroken run, bitwise, and
+    end in its final states."""
+    steps = 12
+    base = train_args(corpus_jsonl, steps)
+    args = lambda folder: base(folder) + ["--checkpoint.interval", "4", "--fault_tolerance.semi_sync_method", "diloco",
+                                          "--fault_tolerance.sync_steps", "4", "--fault_tolerance.num_fragments", "2"]
+    with Lighthouse(min_replicas=2) as lighthouse:
+        unbroken = [start_group(i, tmp_path / f"unbroken{i}", lighthouse.address, args) for i in range(2)]
+        for i, group in enumerate(unbroken):
+            wait(group, tmp_path / f"unbroken{i}")
+    folders = [tmp_path / f"group{i}" for i in range(2)]
+    with Lighthouse(min_replicas=2) as lighthouse:
+        groups = [start_group(i, folders[i], lighthouse.address, args) for i in range(2)]
+        deadline = time.monotonic() + 300
+        while not all(r and r[-1]["step"] >= 6 for r in map(logged, folders)):
+            assert time.monotonic() < deadline and all(g.poll() is None for g in groups)
+            time.sleep(0.05)
+        for group in groups:
+            os.killpg(group.pid, signal.SIGKILL)
+            group.wait()
+        for folder in folders:
+            assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-4"]
+            assert b"diloco.1.momentum." in (folder / "checkpoint" / "step-4" / ".metadata").read_bytes()
+        again = [start_group(i, folders[i], lighthouse.address, args) for i in range(2)]
+        for i, group in enumerate(again):
+            wait(group, folders[i])
+    for i in range(2):
+        reference = {r["step"]: r["loss"] for r in logged(tmp_path / f"unbroken{i}")}
+        rows = logged(folders[i])[-8:]
+        assert [r["step"] for r in rows] == list(range(5, 13)), i
+        assert [r["loss"] for r in rows] == [reference[s] for s in range(5, 13)], i
+        first, second = final_state(tmp_path / f"unbroken{i}", steps), final_state(folders[i], steps)
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), i

@@ -8,12 +8,12 @@ every step:
   sync_gradients()   after backward, before clipping: the mean of each gradient shard with the same
                      shard of every other group (one all-reduce per dtype over torchft's process
                      group; a group still healing adds zeros and is not counted)
-  should_commit()    every rank of this group agrees the step went through; only then the optimizer
-                     steps. A group whose all-reduce failed (a group died mid-step) does not commit
-                     and redoes the step with the next batch; a group behind heals from one that did.
+  should_commit()    every rank of this group agrees the step went through, and no group healed in
+                     it; only then the optimizer steps. Otherwise (a group died mid-step, or one
+                     took a peer's state) every group redoes the step with the same batch.
 A group that comes back takes the weights, buffers, optimizer states, lr schedule and step of a
 healthy peer, not a checkpoint. Each group reads its own part of the data (`data_position`); a
-restarted group starts its part from the beginning.
+restarted group resumes its part from its last checkpoint (its data position), else from the start.
 
 With `semi_sync_method` the groups train apart and meet every `sync_steps` steps, through torchft's
 own LocalSGD (the weights averaged) or DiLoCo (the mean of each group's change since the last sync,
@@ -32,9 +32,11 @@ import torch
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig
+from titanlite.metrics import log_line
 from titanlite.parallel.pipeline import spread_modules
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD, TorchTitan's settings
+MAX_FAILED_IN_A_ROW = 10  # steps (or syncs) torchft may fail to commit in a row before the run ends in one line
 
 
 class FaultToleranceFailed(RuntimeError):
@@ -88,14 +90,18 @@ class FaultTolerance:
                 # Every group starts from the same weights (debug.seed is required): torchft's step-0 sync
                 # would count the group it syncs as a participant of step 1 while zeroing its gradients.
                 init_sync=False,
+                max_retries=MAX_FAILED_IN_A_ROW,
                 # LocalSGD and DiLoCo agree on the quorum (and heal) at a sync, before its all-reduce.
                 use_async_quorum=ft.semi_sync_method is None,
             )
         self.committed = True  # the last step's fate (a semi-sync step always commits: its sync may not)
         self.steps_redone, self.lost_seconds, self.step_start, self.started = 0, 0.0, 0.0, None
-        self.semi_sync = None  # torchft's LocalSGD or DiLoCo, made at the first step (after a checkpoint load)
+        self.quorum_at_step_start = self.quorum_at_start = 0.0
+        self.data_step = None  # the step of a data position loaded without the model (a checkpoint of this group's)
         self.sync_every, self.inner_steps, self.syncs, self.syncs_failed = 0, 0, 0, 0
         self.last_sync_end: dict[int, float] = {}  # per DiLoCo fragment
+        self.outer: list[torch.optim.Optimizer] = []  # DiLoCo's outer optimizers, one per fragment
+        self.semi_sync = self.start_semi_sync() if ft.semi_sync_method else None  # torchft's LocalSGD or DiLoCo
 
     def data_position(self, dp_rank: int, dp_degree: int) -> tuple[int, int]:
         """(rank, ranks) of this rank's loader among every group's data-parallel ranks."""
@@ -117,8 +123,11 @@ class FaultTolerance:
         return tensors
 
     def state_to_send(self) -> dict:
-        """A snapshot for a recovering peer, in host memory (this group trains on while the peer reads)."""
+        """A snapshot for a recovering peer, in host memory (this group trains on while the peer reads),
+        taken once the optimizer steps already launched on the device are done."""
         t = self.trainer
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return {
             "tensors": {name: value.detach().to("cpu", copy=True) for name, value in self.state.items()},
             "counters": {"step": t.step, "tokens_seen": t.tokens_seen, "skipped_steps": t.skipped_steps,
@@ -134,6 +143,10 @@ class FaultTolerance:
             for name, value in self.state.items():
                 value.copy_(sent["tensors"][name])
         counters = sent["counters"]
+        if self.data_step is not None and self.data_step != counters["step"] - 1:
+            log_line(f"this replica group's data position is of step {self.data_step}, and it healed to step "
+                     f"{counters['step'] - 1}: it reads on from its own position (batches repeated or skipped)")
+        self.data_step = None
         t.step, t.tokens_seen = counters["step"], counters["tokens_seen"]
         t.skipped_steps = counters["skipped_steps"]
         for scheduler in t.lr_schedulers:
@@ -141,30 +154,45 @@ class FaultTolerance:
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):
                 group["lr"] = lr
 
-    def resumed(self, step: int) -> None:
-        """After loading a checkpoint of the whole state at `step`: the groups that resumed nothing
-        (step 0) heal from the newest."""
+    def resumed(self, manager_step: int) -> None:
+        """After loading a checkpoint of this group's whole state: torchft's step as saved, so that the
+        groups that resumed nothing (step 0) heal from the newest; the tensors a peer would be sent
+        again (the load may have replaced them)."""
         self.state = self.recovery_tensors()
-        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        self.manager.load_state_dict({"step": manager_step, "batches_committed": self.manager.batches_committed()})
 
     def writes_model(self) -> bool:
-        """Whether this group writes the model and optimizer at a checkpoint (one group does: the first
-        of the last quorum; before a semi-sync method's first sync, group 0); the others save their data position."""
-        rank = self.manager.participating_rank()
-        return rank == 0 if rank is not None or self.manager.num_participants() else self.replica_id == 0
+        """Whether this group writes the model and optimizer at a checkpoint. With gradients synced
+        every step one group does (the first of the last quorum), the others save their data position;
+        under LocalSGD and DiLoCo every group does (their weights and optimizers differ between syncs)."""
+        return bool(self.settings.semi_sync_method) or self.manager.participating_rank() == 0
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """DiLoCo's state, by fragment: the last synced weights (as DTensors like their parameters, so
+        any layout reloads them; they share the memory DiLoCo keeps them in) and the outer momentum.
+        A checkpoint loads them in place."""
+        from torch.distributed.tensor import DTensor
+
+        state = {}
+        # torchft 0.2.0 (pinned) keeps each fragment's last synced weights in `_fragments[i].original_parameters`.
+        for i, (fragment, outer) in enumerate(zip(getattr(self.semi_sync, "_fragments", []), self.outer)):
+            for name, p in fragment._model_fragment.named_parameters():
+                synced = fragment.original_parameters[name]
+                if isinstance(p, DTensor):
+                    synced = DTensor.from_local(synced, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+                state[f"{i}.synced.{name}"] = synced
+                state[f"{i}.momentum.{name}"] = outer.state[p]["momentum_buffer"]
+        return state
 
     def start_step(self) -> None:
-        self.step_start = time.perf_counter()
-        if self.started is None:
-            self.started = self.step_start
+        self.step_start, self.quorum_at_step_start = time.perf_counter(), self.manager.quorum_seconds
         if not self.settings.semi_sync_method:
             self.manager.start_quorum()
-        elif self.semi_sync is None:
-            self.semi_sync = self.start_semi_sync()
 
     def start_semi_sync(self):
         """torchft's LocalSGD or DiLoCo on the model and its optimizer, its hooks on the optimizer's
-        step between two of ours: one notes when a sync starts, the other whether it committed."""
+        step between two of ours: one notes when a sync starts, the other whether it committed. DiLoCo
+        takes the weights as its last synced ones now; a checkpoint load puts the saved ones in place."""
         from torchft import local_sgd
 
         ft, model, optimizer = self.settings, self.trainer.model_parts[0], self.trainer.optimizers[0]
@@ -173,9 +201,12 @@ class FaultTolerance:
             method, self.sync_every = local_sgd.LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps), ft.sync_steps
         else:
             parts = fragments(model, self.trainer.plan, ft.module_fqns_per_model_fragment, ft.num_fragments)
-            outer = [torch.optim.SGD(part.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True) for part in parts]
+            self.outer = [torch.optim.SGD(part.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True) for part in parts]
+            for outer in self.outer:  # zero momentum steps as none: a checkpoint has it from the start
+                for p in outer.param_groups[0]["params"]:
+                    outer.state[p]["momentum_buffer"] = torch.zeros_like(p)
             method = local_sgd.DiLoCo(
-                self.manager, parts, optimizer, outer, sync_every=ft.sync_steps, should_quantize=ft.should_quantize,
+                self.manager, parts, optimizer, self.outer, sync_every=ft.sync_steps, should_quantize=ft.should_quantize,
                 fragment_sync_delay=ft.fragment_sync_delay, fragment_update_alpha=ft.fragment_update_alpha,
             )
             self.sync_every = ft.sync_steps // len(parts)
@@ -195,8 +226,8 @@ class FaultTolerance:
         if self.inner_steps % self.sync_every:
             return
         self.syncs += 1
-        fragment = self.sync_step % len(self.last_sync_end)
-        if self.manager.current_step() == self.sync_step:
+        fragment = self.sync_step % len(self.last_sync_end)  # DiLoCo's turn: torchft's step modulo the fragments
+        if not self.manager.committed:
             self.syncs_failed += 1
             if self.settings.semi_sync_method == "diloco":
                 self.lost_seconds += self.sync_start - self.last_sync_end[fragment]
@@ -231,19 +262,26 @@ class FaultTolerance:
         peer's state in it. A healing group's gradient counts for nothing (torchft zeroes it), so every
         group redoes such a step with the same batch: each step that counts averages every group's batch,
         and a full restart (one group resumes the model, the others heal from it) resumes exactly."""
+        if self.started is None:  # goodput counts from the first step's end: the wait for the groups to start is not a failure
+            self.started, self.quorum_at_start = time.perf_counter(), self.manager.quorum_seconds
         if self.settings.semi_sync_method:
             return True
         self.committed = self.manager.should_commit() and self.group.size() == self.manager.num_participants()
-        if not self.committed:  # the whole step is redone
+        if not self.committed:  # the whole step is redone (its wait for the quorum is counted already)
             self.steps_redone += 1
-            self.lost_seconds += time.perf_counter() - self.step_start
+            self.lost_seconds += time.perf_counter() - self.step_start - (self.manager.quorum_seconds - self.quorum_at_step_start)
+        elif self.data_step is not None:
+            log_line(f"this replica group resumed its data position of step {self.data_step}, but no group held a "
+                     "model to heal from: training starts from the initial weights")
+            self.data_step = None
         return self.committed
 
     @property
     def stalled_seconds(self) -> float:
-        """Time lost to failures: waits for the quorum (a dead group is dropped after the Lighthouse's
-        heartbeat timeout; a recovery), steps redone, and DiLoCo's steps undone by a failed sync."""
-        return self.manager.quorum_seconds + self.lost_seconds
+        """Time lost to failures since the first step: waits for a quorum that changed (a dead group is
+        dropped after the Lighthouse's heartbeat timeout; a group joins and heals), steps redone, and
+        DiLoCo's steps undone by a failed sync."""
+        return self.manager.quorum_seconds - self.quorum_at_start + self.lost_seconds
 
     def goodput(self) -> float:
         """The share of the wall time since the first step that was not stalled."""
@@ -288,24 +326,28 @@ def make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def reporting_manager(manager_class: type, timeout_ms: int) -> type:
-    """torchft's Manager, its failures reported in one line and its waits for a quorum timed into
-    `quorum_seconds` (the other groups, a dead one's heartbeat timeout, a recovery), whether the
-    Trainer calls it or torchft's LocalSGD and DiLoCo do."""
+    """torchft's Manager, its failures reported in one line and its waits for a quorum that changed
+    timed into `quorum_seconds` (a dead group's heartbeat timeout, a recovery), whether the Trainer
+    calls it or torchft's LocalSGD and DiLoCo do. (`_quorum_id`: torchft 0.2.0's, pinned.)"""
 
     class ReportingManager(manager_class):
-        quorum_seconds, timing = 0.0, False
+        quorum_seconds, timing, committed = 0.0, False, True  # committed: the last commit vote
 
         @contextmanager
         def timed(self, what: str):
-            """Times the outermost call only: a synchronous start_quorum calls wait_quorum."""
-            outermost, self.timing, start = not self.timing, True, time.perf_counter()
+            """Counts a wait in which the groups changed (torchft's quorum id moved: a group dropped after
+            its heartbeat timeout, or one joined and healed); waits for a slower group at an unchanged
+            quorum are the price of training in step, not of a failure. The outermost call only: a
+            synchronous start_quorum calls wait_quorum."""
+            outermost, self.timing, start, quorum = not self.timing, True, time.perf_counter(), self._quorum_id
             try:
                 with reported(what, timeout_ms):
                     yield
             finally:
                 if outermost:
-                    self.quorum_seconds += time.perf_counter() - start
                     self.timing = False
+                    if self._quorum_id != quorum:
+                        self.quorum_seconds += time.perf_counter() - start
 
         def start_quorum(self, *args, **kwargs) -> None:
             with self.timed("the quorum (or healing from a peer)"):
@@ -317,7 +359,8 @@ def reporting_manager(manager_class: type, timeout_ms: int) -> type:
 
         def should_commit(self, *args, **kwargs) -> bool:
             with reported("the commit vote (or healing from a peer)", timeout_ms):
-                return super().should_commit(*args, **kwargs)
+                self.committed = super().should_commit(*args, **kwargs)
+            return self.committed
 
     return ReportingManager
 

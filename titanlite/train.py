@@ -142,8 +142,6 @@ def train(trainer: Trainer) -> None:
             "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
         )
     resumed = trainer.checkpointer.load()
-    if trainer.ft:
-        trainer.ft.resumed(trainer.step)
     c = trainer.config.checkpoint
     biased = any(bool(layer.expert_bias.any()) for layer in trainer.moe_layers)
     # Asked of every rank (a pipeline stage may hold no MoE layer), so all stop here alike, not rank 0

@@ -7,6 +7,7 @@ name (so any layout can load it):
   lr_scheduler.* the lr schedule's position
   train_state.*  step, tokens seen, skipped steps, RNG states
   dataloader.dp<r>.state   each data-parallel rank's loader state, as JSON in a uint8 tensor
+  diloco.*       under DiLoCo, each fragment's last synced weights and outer momentum
 (the parts `checkpoint.exclude_from_loading` names, as in TorchTitan). With
 `checkpoint.last_save_in_hf` the last one is a Hugging Face folder instead (safetensors +
 config.json, model only), and `initial_load_in_hf` starts from one.
@@ -49,7 +50,7 @@ from titanlite.metrics import log_line
 from titanlite.models.common.fqn import canonical_fqn
 from titanlite.parallel.parallelize import DTYPES, assign_full_value
 
-PARTS = ("model", "optimizer", "lr_scheduler", "train_state", "dataloader")
+PARTS = ("model", "optimizer", "lr_scheduler", "train_state", "dataloader", "diloco")
 
 
 def json_tensor(obj) -> torch.Tensor:
@@ -153,6 +154,10 @@ class Checkpointer:
         if model_only:
             dtype = dtype or DTYPES[self.c.export_dtype]
             return {"model": model_state(t.model_parts, dtype if dtype != torch.float32 else None)}
+        workers = t.config.training.dataloader.num_workers
+        loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict(), "step": t.step}
+        if data_only:
+            return {"dataloader": {f"dp{t.dp_rank}": json_tensor(loader)}}
         train = {
             "step": torch.tensor(t.step),
             "tokens_seen": torch.tensor(t.tokens_seen),
@@ -161,17 +166,18 @@ class Checkpointer:
         }
         if torch.cuda.is_available():
             train["rng_cuda"] = torch.cuda.get_rng_state()
-        workers = t.config.training.dataloader.num_workers
-        loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict()}
-        if data_only:
-            return {"dataloader": {f"dp{t.dp_rank}": json_tensor(loader)}}
-        return {
+        if t.ft:
+            train["ft_step"] = torch.tensor(t.ft.manager.current_step())  # torchft's: a resumed group's standing
+        state = {
             "model": model_state(t.model_parts),
             "optimizer": tensors_only(optimizer_state(t.model_parts, t.optimizers)),
             "lr_scheduler": {"step": torch.tensor(t.lr_schedulers[0].last_epoch)},
             "train_state": train,
             "dataloader": {f"dp{t.dp_rank}": json_tensor(loader)},
         }
+        if t.ft and (diloco := t.ft.checkpoint_state()):
+            state["diloco"] = diloco
+        return state
 
     # ---- save ----
 
@@ -359,6 +365,8 @@ class Checkpointer:
         if "optimizer" in parts:
             full_optimizer = optimizer_state(t.model_parts, t.optimizers)
             state["optimizer"] = tensors_only(full_optimizer)  # loaded in place into full_optimizer's tensors
+        if "diloco" in parts and t.ft:
+            state["diloco"] = t.ft.checkpoint_state()  # loaded in place, into DiLoCo's own tensors
         for name in ("lr_scheduler", "train_state", "dataloader"):
             if name in parts:
                 state[name] = {
@@ -395,10 +403,14 @@ class Checkpointer:
             torch.set_rng_state(s["rng_cpu"])
             if "rng_cuda" in s and torch.cuda.is_available():
                 torch.cuda.set_rng_state(s["rng_cuda"])
+            if t.ft:
+                t.ft.resumed(int(s["ft_step"]) if "ft_step" in s else t.step)
         if "dataloader" in state:
             self.load_dataloader(state["dataloader"])
-        if parts == {"dataloader"}:
-            log_line(f"loaded this replica group's data position from {path}; its weights and step come from a peer")
+        if t.ft and parts == {"dataloader"}:
+            t.ft.data_step = next(tensor_json(v) for v in state["dataloader"].values())["step"]
+            log_line(f"loaded this replica group's data position of step {t.ft.data_step} from {path}; its weights and "
+                     "step come from a peer")
         else:
             log_line(f"loaded checkpoint {path} ({', '.join(sorted(parts))}) at step {t.step}")
 

@@ -213,6 +213,22 @@ def check_semi_sync(config: JobConfig, n_layers: int) -> None:
         f"{method} with parallelism.pipeline_parallel_degree={config.parallelism.pipeline_parallel_degree}: a semi-sync "
         "group keeps one optimizer per rank here; set pipeline_parallel_degree=1 or semi_sync_method to none",
     )
+    _require(
+        not config.training.skip_nonfinite_steps,
+        f"training.skip_nonfinite_steps=true with {method}: a group that skips a step alone would reach its sync a "
+        "step after the others; set it to false",
+    )
+    c = config.checkpoint
+    _require(
+        not c.enable or c.interval % ft.sync_steps == 0,
+        f"checkpoint.interval={c.interval} with {method}: a checkpoint resumes the sync schedule from a sync; make "
+        f"the interval a multiple of fault_tolerance.sync_steps={ft.sync_steps}",
+    )
+    _require(
+        not (c.enable and c.enable_first_step_checkpoint),
+        f"checkpoint.enable_first_step_checkpoint=true with {method}: step 1 is between syncs, where a checkpoint "
+        "cannot resume the sync schedule; set it to false",
+    )
     fragments = len(ft.module_fqns_per_model_fragment) or ft.num_fragments
     if ft.semi_sync_method == "local_sgd":
         _require(
