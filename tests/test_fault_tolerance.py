@@ -284,13 +284,11 @@ def checkpointed(corpus_jsonl: Path, steps: int):
     return lambda folder: base(folder) + ["--checkpoint.interval", "5"]
 
 
-@pytest.mark.slow
-def test_a_full_restart_of_every_group_resumes_exactly(corpus_jsonl, tmp_path):
-    """2 groups x FSDP 2, a checkpoint every 5 steps: one group writes the model, optimizer and step,
-    the other only its data position. Both are killed after step 7 and started again: the first resumes
-    step 5, the second its data position at step 5 and heals from the first in a step both redo. Steps
-    6-10 of each group log the losses of an unbroken run, bitwise, and the final states equal its own."""
-    steps, args = 10, checkpointed(corpus_jsonl, 10)
+def restart_every_group(tmp_path: Path, args, steps: int, kill_after: int, resumed_at: int, check_saved) -> list[str]:
+    """An unbroken run of 2 groups; then the same run with both groups killed once each logged step
+    `kill_after`, `check_saved(folders)` on what they saved, and both started again. Each group's steps
+    after `resumed_at` log the unbroken run's losses bitwise and end in its final states. Returns the
+    restarted groups' logs."""
     with Lighthouse(min_replicas=2) as lighthouse:
         unbroken = [start_group(i, tmp_path / f"unbroken{i}", lighthouse.address, args) for i in range(2)]
         for i, group in enumerate(unbroken):
@@ -299,25 +297,38 @@ def test_a_full_restart_of_every_group_resumes_exactly(corpus_jsonl, tmp_path):
     with Lighthouse(min_replicas=2) as lighthouse:
         groups = [start_group(i, folders[i], lighthouse.address, args) for i in range(2)]
         deadline = time.monotonic() + 300
-        while not all(r and r[-1]["step"] >= 7 for r in map(logged, folders)):
+        while not all(r and r[-1]["step"] >= kill_after for r in map(logged, folders)):
             assert time.monotonic() < deadline and all(g.poll() is None for g in groups)
             time.sleep(0.05)
         for group in groups:
             os.killpg(group.pid, signal.SIGKILL)
             group.wait()
-        saved = [sorted(p.name for p in (f / "checkpoint").iterdir()) for f in folders]
-        assert saved == [["step-5"], ["step-5"]], saved
-        sizes = sorted(sum(p.stat().st_size for p in (f / "checkpoint" / "step-5").iterdir()) for f in folders)
-        assert sizes[0] * 20 < sizes[1], sizes  # the model once: the other group's save is its data position
+        check_saved(folders)
         again = [start_group(i, folders[i], lighthouse.address, args) for i in range(2)]
         for i, group in enumerate(again):
             wait(group, folders[i])
-    logs = [(f / "out.log").read_text() for f in folders]
-    assert sum("loaded checkpoint" in log and "at step 5" in log for log in logs) == 1, logs
-    assert sum("loaded this replica group's data position" in log for log in logs) == 1, logs
     for i in range(2):
         reference = {r["step"]: r["loss"] for r in logged(tmp_path / f"unbroken{i}")}
-        rows = logged(folders[i])[-5:]
-        assert [r["step"] for r in rows] == [6, 7, 8, 9, 10] and [r["loss"] for r in rows] == [reference[s] for s in range(6, 11)], i
+        rows = logged(folders[i])[resumed_at - steps:]
+        assert [r["step"] for r in rows] == list(range(resumed_at + 1, steps + 1)), i
+        assert [r["loss"] for r in rows] == [reference[s] for s in range(resumed_at + 1, steps + 1)], i
         first, second = final_state(tmp_path / f"unbroken{i}", steps), final_state(folders[i], steps)
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), i
+    return [(f / "out.log").read_text() for f in folders]
+
+
+@pytest.mark.slow
+def test_a_full_restart_of_every_group_resumes_exactly(corpus_jsonl, tmp_path):
+    """2 groups x FSDP 2, a checkpoint every 5 steps: one group writes the model, optimizer and step,
+    the other only its data position. Both are killed after step 7 and started again: the first resumes
+    step 5, the second its data position at step 5 and heals from the first in a step both redo. Steps
+    6-10 of each group log the losses of an unbroken run, bitwise, and the final states equal its own."""
+
+    def model_once(folders):
+        assert [sorted(p.name for p in (f / "checkpoint").iterdir()) for f in folders] == [["step-5"], ["step-5"]]
+        sizes = sorted(sum(p.stat().st_size for p in (f / "checkpoint" / "step-5").iterdir()) for f in folders)
+        assert sizes[0] * 20 < sizes[1], sizes  # the other group's save is its data position
+
+    logs = restart_every_group(tmp_path, checkpointed(corpus_jsonl, 10), 10, 7, 5, model_once)
+    assert sum("loaded checkpoint" in log and "at step 5" in log for log in logs) == 1, logs
+    assert sum("loaded this replica group's data position of step 5" in log for log in logs) == 1, logs

@@ -196,6 +196,8 @@ class FaultTolerance:
         from torchft import local_sgd
 
         ft, model, optimizer = self.settings, self.trainer.model_parts[0], self.trainer.optimizers[0]
+        if ft.should_quantize and not torch.cuda.is_available():
+            log_line("fault_tolerance.should_quantize: torchft quantizes with triton on a GPU; here the pseudo-gradients go in full precision")
         optimizer.register_step_post_hook(self.before_sync)
         if ft.semi_sync_method == "local_sgd":
             method, self.sync_every = local_sgd.LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps), ft.sync_steps
