@@ -79,7 +79,7 @@ class FaultTolerance:
                 make_optimizer_state(optimizer)
         self.state, self.timeout_ms = self.recovery_tensors(), ft.process_group_timeout_ms
         with reported("joining the Lighthouse", self.timeout_ms):
-            self.manager = reporting_manager(torchft.Manager, ft.process_group_timeout_ms)(
+            self.manager = reporting_manager(torchft.Manager, self.timeout_ms)(
                 pg=self.group,
                 min_replica_size=ft.min_replica_size,
                 load_state_dict=self.load_state,
