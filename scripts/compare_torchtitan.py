@@ -24,9 +24,11 @@ titanlite runs block_causal on SDPA too.
   and drops its sequence-wise balance loss (TorchTitan has none); the experts run in fp32 on both
   sides (TT_MOE_GMM_DTYPE=param: TorchTitan's own code casts them to bf16). The dense layouts keep
   titanlite's positions running across the packed window, as their recorded figures did.
-Left different: each side's own inits, learning-rate schedule and data (titanlite: the Shakespeare
-corpus; the runner: its synthetic corpus), so the routing's balance, which sets the experts' work per
-rank, follows each side's own training. A WARNING line says when the two models' parameter counts
+Both sides train on the same text: titanlite's Shakespeare training split, handed to the runner as
+its C4-format corpus (TT_DATA_JSON), so the routing's balance, which sets the experts' work per rank
+under expert parallel, is not one side's easier data. titanlite trains with the runner's
+optimizer settings and learning-rate schedule (TORCHTITAN_SCHEDULE). Left different: each side's own
+inits and document packing. A WARNING line says when the two models' parameter counts
 (each side's log) differ.
 
 Each side's figure is the median over the repeats of its median tokens/s per device after warm-up;
@@ -38,6 +40,7 @@ runs taken in turn drift together. Prints the table and writes OUT/compare.json.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -47,6 +50,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from titanlite.data.corpus import shakespeare_files
 from titanlite.launch import read_metrics, run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,6 +89,11 @@ FAMILIES = {  # name: (TorchTitan's TT_* shape, titanlite's config file and over
         "--model.reset_position_ids", "true",
     ]),
 }
+# The runner's optimizer and schedule (TorchTitan's debug config): AdamW at the runner's lr (TT_LR, 8e-4),
+# warmup 2 steps, then the last 80% of the steps decaying linearly to 0. The routing's balance follows
+# the training, so both sides train alike.
+TORCHTITAN_SCHEDULE = ["--optimizer.lr", os.environ.get("TT_LR", "8e-4"), "--lr_scheduler.warmup_steps", "2",
+                       "--lr_scheduler.decay_ratio", "0.8", "--lr_scheduler.decay_type", "linear", "--lr_scheduler.min_lr_factor", "0"]
 DP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 LAYOUTS = {  # name: (ranks, family, titanlite overrides)
     "1rank": (1, "dense", []),
@@ -102,7 +111,7 @@ def titanlite_run(layout: str, steps: int, warmup: int, folder: Path, extra: lis
     ranks, family, overrides = LAYOUTS[layout]
     shape, config_file, family_args = FAMILIES[family]
     args = [
-        "--job.config_file", str(REPO / "train_configs" / config_file), "--training.steps", str(steps),
+        "--job.config_file", str(REPO / "train_configs" / config_file), "--training.steps", str(steps), *TORCHTITAN_SCHEDULE,
         "--training.seq_len", shape["TT_SEQ_LEN"], "--training.local_batch_size", shape["TT_LBS"],
         "--training.mixed_precision_param", "float32", "--model.attn_mask_type", "block_causal", "--model.attn_type", "sdpa",
         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
@@ -115,9 +124,10 @@ def titanlite_run(layout: str, steps: int, warmup: int, folder: Path, extra: lis
             "params": int(params[1].replace(",", "")) if params else None}
 
 
-def torchtitan_run(runner: Path, layout: str, steps: int, warmup: int, tokenizer_dir: Path, log: Path) -> dict:
+def torchtitan_run(runner: Path, layout: str, steps: int, warmup: int, tokenizer_dir: Path, corpus: Path, log: Path) -> dict:
     shape = FAMILIES[LAYOUTS[layout][1]][0]
-    env = os.environ | shape | {"TT_STEPS": str(steps), "TT_WARMUP": str(warmup), "TT_TOKENIZER_DIR": str(tokenizer_dir)}
+    env = os.environ | shape | {"TT_STEPS": str(steps), "TT_WARMUP": str(warmup), "TT_TOKENIZER_DIR": str(tokenizer_dir),
+                                "TT_DATA_JSON": str(corpus)}
     out = subprocess.run(["bash", str(runner), layout], env=env, capture_output=True, text=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(out.stdout + out.stderr)
@@ -137,6 +147,15 @@ def tokenizer_folder(out: Path) -> Path:
     return folder
 
 
+def corpus_file(out: Path) -> Path:
+    """titanlite's Shakespeare training split as a C4-format JSON-lines file (the runner's TT_DATA_JSON)."""
+    path = out / "shakespeare_c4.json"
+    with gzip.open(shakespeare_files()["train"], "rt", encoding="utf-8") as docs, open(path, "w", encoding="utf-8") as c4:
+        for i, line in enumerate(docs):
+            c4.write(json.dumps({"text": json.loads(line)["text"], "timestamp": "2019-04-25T12:00:00Z", "url": f"shakespeare://{i}"}) + "\n")
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runner", type=Path, required=True, help="the TorchTitan CPU runner script")
@@ -151,14 +170,14 @@ def main() -> None:
                         "(the separate projections)")
     args = parser.parse_args()
     titanlite_extra = shlex.split(args.titanlite_args)
-    tokenizer_dir = tokenizer_folder(args.out)
+    tokenizer_dir, corpus = tokenizer_folder(args.out), corpus_file(args.out)
     results = {}
     for layout in args.layouts:
         sides = {"titanlite": [], "torchtitan": []}
         for repeat in range(args.repeats):
             folder = args.out / layout / f"titanlite_{repeat}"
             sides["titanlite"].append(titanlite_run(layout, args.steps, args.warmup, folder, titanlite_extra))
-            sides["torchtitan"].append(torchtitan_run(args.runner, layout, args.steps, args.warmup, tokenizer_dir,
+            sides["torchtitan"].append(torchtitan_run(args.runner, layout, args.steps, args.warmup, tokenizer_dir, corpus,
                                                       args.out / layout / f"torchtitan_{repeat}.log"))
             print(f"{layout} repeat {repeat}: " + ", ".join(f"{side} {runs[-1]['tps']:,.0f} tok/s, {runs[-1]['peak_mib']:,.0f} MiB"
                                                             for side, runs in sides.items()), flush=True)

@@ -7,7 +7,7 @@ import pytest
 from distributed import run_distributed
 
 
-def _experts_units(num_experts: int) -> tuple:
+def _experts_units(num_experts: int, ep: int = 2) -> tuple:
     from dataclasses import replace
 
     from torch.distributed.fsdp import FSDPModule
@@ -17,14 +17,14 @@ def _experts_units(num_experts: int) -> tuple:
     from titanlite.parallel.dims import ParallelDims
     from titanlite.parallel.parallelize import parallelize
 
-    config = parse_args(["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", "2",
+    config = parse_args(["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", str(ep),
                          "--training.mixed_precision_param", "float32"])
     dims = ParallelDims.from_config(config, 4)
     dims.build_mesh("cpu")
     plan = FAMILIES["moe"].plan
     model = build_model("moe", replace(model_args("moe", "debugmoe", 256, 32), num_experts=num_experts))
     parallelize(model, plan, dims, config, "cpu")
-    placements = {name: [str(pl) for pl in p.placements] for name, p in model.named_parameters() if ".experts." in name}
+    placements = {name: [str(pl) for pl in p.placements] for name, p in model.named_parameters() if ".experts." in name or "gate" in name}
     names = {id(m): name for name, m in model.named_modules()}
     prefetch = {names[id(m)]: [names[id(s._modules[0])] for s in m._get_fsdp_state()._states_to_forward_prefetch]
                 for m in model.modules() if isinstance(m, FSDPModule)}
@@ -45,6 +45,18 @@ def test_experts_shard_along_dim_1_where_ranks_outnumber_them(num_experts, fsdp_
     assert prefetch["layers.0"] == ["layers.1", "layers.1.feed_forward.experts"]
     assert prefetch["layers.2"] == ["layers.3", "layers.3.feed_forward.experts"]
     assert prefetch["layers.3"] == ["norm"]
+
+
+@pytest.mark.slow
+def test_experts_no_other_rank_holds_are_left_to_expert_parallel():
+    """EP 4 on 4 ranks: every rank holds other experts (efsdp 1), so FSDP has nothing to gather or sum
+    for them: they are no unit of their own, no block's unit holds them, and they keep EP's placement
+    alone. Parity: moe_ep4_aux and the EP 2 cases on 2 ranks."""
+    placements, prefetch = run_distributed(_experts_units, 4, 8, 4, timeout=300)[0]
+    assert placements["layers.1.feed_forward.experts.w1"] == ["S(0)"]
+    assert placements["layers.3.feed_forward.experts.w2"] == ["S(0)"]
+    assert placements["layers.1.feed_forward.router.gate.weight"] == ["S(0)"]  # FSDP's, on the 4 data ranks
+    assert not any(".experts" in name for name in prefetch) and prefetch["layers.0"] == ["layers.1"]
 
 
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather")

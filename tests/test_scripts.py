@@ -53,10 +53,12 @@ def test_loss_compare_trains_from_one_seed_and_asserts(corpus_jsonl, tmp_path):
 @pytest.mark.slow
 @pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_compare_torchtitan_takes_runs_in_turn_and_prints_each_pairs_ratio(tmp_path):
-    """A stand-in for the TorchTitan runner (it checks the shape it is given and reports 1,000 tokens/s):
+    """A stand-in for the TorchTitan runner (it checks the shape and corpus it is given and reports 1,000 tokens/s):
     titanlite's side trains for real, and the ratio is the median of each pair's."""
     runner = tmp_path / "runner.sh"
     runner.write_text('[ "$1" = 1rank ] && [ "$TT_VOCAB" = 8192 ] && [ "$TT_STEPS" = 4 ] || exit 3\n'
+                      # the same text as titanlite's: its Shakespeare training split, as C4 JSON lines
+                      'head -n 1 "$TT_DATA_JSON" | grep -q \'"text": "ALL.S WELL THAT ENDS WELL\' || exit 4\n'
                       'echo "torchtitan tps=1000 loss_first=9.0 peak_rss_mib_max=4000"\n')
     out = run_command([sys.executable, str(REPO / "scripts" / "compare_torchtitan.py"), "--runner", str(runner), "--layouts",
                        "1rank", "--repeats", "2", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "out")], timeout=400)

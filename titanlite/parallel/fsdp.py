@@ -4,7 +4,8 @@ all-gather.
 
 One mesh dim shards (FSDP), two dims replicate-and-shard (HSDP); a replicate dim with shard size 1
 is plain data parallel (DDP). Split routed experts (expert parallel, expert TP) are a unit of
-their own on `expert_mesh` (the routing ranks that hold the same experts), inside their block's unit; under tensor
+their own on `expert_mesh` (the routing ranks that hold the same experts), inside their block's unit,
+or no unit where that mesh is one rank; under tensor
 parallel a MoE layer is one on `moe_mesh` (the data ranks and tp, whose ranks routed other tokens).
 The loss is divided by the global count of valid tokens, so FSDP's
 own averaging over ranks is turned off (gradient divide factor 1): gradients are summed. On CPU
@@ -42,12 +43,16 @@ def apply_fsdp(
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
     expert_params = {p for experts in plan.experts(model) for p in experts.parameters()}
+    # Experts that no other routing rank holds (expert mesh of one rank) have nothing to gather or sum:
+    # FSDP leaves them alone (wrapped, they would be copied in and out of its buffers every pass).
+    alone = expert_mesh is not None and expert_mesh.size() == 1
+    shard["ignored_params"] = expert_params if alone else None
     for module in _present(model, plan.head):
         fully_shard(module, reshard_after_forward=reshard_after_forward, **shard)
     tail = _present(model, plan.tail)
     inner = []  # units inside blocks: split experts, MoE layers under TP
     for module in [*getattr(model, plan.blocks).values(), *tail]:  # MoE layers sit in blocks (and a tail's blocks)
-        for mesh, units in ((expert_mesh, plan.experts), (moe_mesh, plan.moe_layers)):
+        for mesh, units in ((None if alone else expert_mesh, plan.experts), (moe_mesh, plan.moe_layers)):
             if mesh is not None:
                 for unit in units(module):
                     placement = experts_placement(expert_params, mesh)
