@@ -155,7 +155,7 @@ def test_context_parallel_finds_torchs_ring_attention():
 
 @pytest.mark.parametrize("name, flavor", [("llama3", "debugmodel_gqa"), ("moe", "debugmoe_qwen3")])
 def test_fused_projections_compute_what_the_separate_ones_do(name, flavor):
-    """q/k/v (and SwiGLU's w1/w3, a MoE's shared experts too) as one matmul: the same parameters under
+    """q/k/v as one matmul: the same parameters under
     the same names, the same logits, gradients within fp32 round-off; float8 linears keep their own."""
     from titanlite.float8 import convert_to_float8
     from titanlite.models import FAMILIES
@@ -183,7 +183,7 @@ def test_fused_projections_compute_what_the_separate_ones_do(name, flavor):
 @pytest.mark.parametrize("overrides", [[], ["--model.name", "moe", "--model.flavor", "debugmoe"]], ids=["llama3", "moe"])
 def test_a_model_built_from_the_default_config_runs_its_fused_matmuls(overrides, tmp_path):
     """model.fused_projections is the default: a model built from the config as the Trainer builds it
-    multiplies each block's q/k/v, and its w1/w3 (a MoE's shared experts'), in one FusedLinear, in
+    multiplies each block's q/k/v in one FusedLinear, in
     training and in evaluation, and never calls those linears alone. The fused and separate paths give
     the same results, so parity cannot tell which ran: only the calls can."""
     config = parse_args(tiny_args(tmp_path / "corpus.jsonl", tmp_path, *overrides))
@@ -200,9 +200,9 @@ def test_a_model_built_from_the_default_config_runs_its_fused_matmuls(overrides,
     with torch.no_grad():
         model(tokens)
     fused = [name for name, module in model.named_modules() if isinstance(module, FusedLinear)]
-    assert len(fused) == 2 * args.n_layers, fused
+    assert len(fused) == args.n_layers, fused
     assert all(calls[name] == 2 for name in fused), calls
-    alone = {name for name in calls if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "w1", "w3")}
+    alone = {name for name in calls if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv")}
     assert not alone, f"projections configured fused ran separately: {sorted(alone)}"
 
 

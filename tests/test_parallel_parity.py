@@ -2,7 +2,7 @@
 
 Each case builds the real Trainer (mesh, parallelize, init, optimizer, loss normalization,
 clipping) for a layout and runs 4 optimizer steps on fixed random batches. In the same process a
-plain PyTorch reference (the unparallelized model with separate q/k/v and w1/w3 projections, same
+plain PyTorch reference (the unparallelized model with separate q/k/v projections, same
 seed, full global batch, AdamW, same lr schedule, clipping) runs the same steps; where the layout
 fuses them (model.fused_projections, the default), its separate linears must never run. The
 initial weights must be identical, and at every step the loss, every gradient, the grad norm and
@@ -76,7 +76,7 @@ def reduced(grad: torch.Tensor) -> torch.Tensor:
 
 
 def separate_projection_calls(model_parts: list[torch.nn.Module]) -> Counter:
-    """Counts, from now on, the forward calls of q/k/v, w1/w3 and MLA's down projections (wq_a, wkv_a) as
+    """Counts, from now on, the forward calls of q/k/v and MLA's down projections (wq_a, wkv_a) as
     linears of their own. With
     model.fused_projections there must be none (a float8 linear runs its own matmul by design and is
     not counted): parity alone would hold as well if the trainer ran the reference's separate path."""
@@ -86,7 +86,7 @@ def separate_projection_calls(model_parts: list[torch.nn.Module]) -> Counter:
     for part in model_parts:
         for name, module in part.named_modules():
             if isinstance(module, torch.nn.Linear) and not isinstance(module, Float8Linear) and name.rsplit(".", 1)[-1] in (
-                "wq", "wk", "wv", "w1", "w3", "wq_a", "wkv_a"
+                "wq", "wk", "wv", "wq_a", "wkv_a"
             ):
                 module.register_forward_hook(lambda *_, name=name: calls.update([name]))
     return calls

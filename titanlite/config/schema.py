@@ -118,7 +118,7 @@ class Model:
     )
     fused_projections: bool = opt(
         True,
-        "q/k/v in one matmul, and SwiGLU's w1/w3 in one (TorchTitan 0.3.0 fuses q/k/v by default); parameters, "
+        "q/k/v in one matmul, and MLA's two down projections in one (TorchTitan 0.3.0 fuses q/k/v by default); parameters, "
         "checkpoints and Hugging Face names stay separate (speed measured in docs/benchmarks.md; float8 linears "
         "keep their own matmuls)",
         extension=True,

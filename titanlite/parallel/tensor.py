@@ -25,8 +25,8 @@ def apply_tp(
 
 class FusedColwiseParallel(ParallelStyle):
     """Column-wise parallel for a FusedLinear, which is given the weights of several projections that
-    their own ColwiseParallel split by rows. This rank's rows are whole heads of q, k and v (or the
-    matching halves of w1 and w3), so it multiplies its input by all of them in one local matmul and
+    their own ColwiseParallel split by rows. This rank's rows are whole heads of q, k and v, so
+    it multiplies its input by all of them in one local matmul and
     gets its heads of each projection. The input arrives replicated: gathered by sequence parallel
     (a DTensor), or the same plain tensor on every rank. Its gradient leaves as a partial sum over
     the ranks' rows, which the gather's backward reduce-scatters, or an all-reduce sums."""

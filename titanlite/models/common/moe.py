@@ -179,7 +179,7 @@ class MoE(nn.Module):
         self.router = Router(args)
         self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
         shared = args.num_shared_experts * args.moe_hidden_dim
-        self.shared_experts = FeedForward(args.dim, shared, args.fused_projections) if shared else None
+        self.shared_experts = FeedForward(args.dim, shared) if shared else None
         # Persistent: the bias is training state that a checkpoint keeps. The counts of the current step are not.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)

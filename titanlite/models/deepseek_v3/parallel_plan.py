@@ -49,7 +49,7 @@ def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | N
         ffn = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)}
     else:
         gathered = llama3_plan.float8_gathered_inputs(block, float8_recipe)
-        ffn = llama3_plan.feed_forward_plan(sequence_parallel, gathered, block.feed_forward.w13 is not None)
+        ffn = llama3_plan.feed_forward_plan(sequence_parallel, gathered)
     return attention_plan(block, sequence_parallel) | ffn
 
 

@@ -31,7 +31,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = attention or Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = feed_forward or FeedForward(args.dim, args.ffn_hidden_dim, args.fused_projections)
+        self.feed_forward = feed_forward or FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask)

@@ -2,8 +2,8 @@
 plain dicts of stock ParallelStyles, its FSDP / pipeline / AC / compile units, and its Hugging Face
 adapter.
 
-TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise; where they run as one matmul (FusedLinear), it
-takes each rank's rows of all of them. With sequence parallel, activations between blocks are sharded
+TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise; where q/k/v run as one matmul (FusedLinear), it
+takes each rank's rows of all three. With sequence parallel, activations between blocks are sharded
 along the sequence (Shard(1)): norms run on their shard, and each attention/FFN all-gathers its input
 and reduce-scatters its output. With loss parallel, the logits stay sharded over the vocabulary
 (Shard(-1)); the chunked loss takes each rank's rows of the output weight (loss.py).
@@ -47,14 +47,13 @@ def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = froz
     return plan | _float8_gathers(float8_inputs & {"attention"}, sequence_parallel)
 
 
-def feed_forward_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset(), fused: bool = False) -> dict:
-    """The TP plan of a dense SwiGLU: w1/w3 column-wise (and their `fused` matmul), w2 row-wise (its
-    input gathered under SP)."""
+def feed_forward_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset()) -> dict:
+    """The TP plan of a dense SwiGLU: w1/w3 column-wise, w2 row-wise (its input gathered under SP)."""
     plan = {
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
-    } | ({"feed_forward.w13": FusedColwiseParallel()} if fused else {})
+    }
     if sequence_parallel:
         plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan | _float8_gathers(float8_inputs & {"feed_forward"}, sequence_parallel)
@@ -68,9 +67,7 @@ def _float8_gathers(names: set[str], sequence_parallel: bool) -> dict:
 def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | None) -> dict:
     """The TP plan of one TransformerBlock."""
     float8_inputs = float8_gathered_inputs(block, float8_recipe)
-    return attention_plan(sequence_parallel, float8_inputs, fused_attention(block)) | feed_forward_plan(
-        sequence_parallel, float8_inputs, block.feed_forward.w13 is not None
-    )
+    return attention_plan(sequence_parallel, float8_inputs, fused_attention(block)) | feed_forward_plan(sequence_parallel, float8_inputs)
 
 
 def fused_attention(block: nn.Module) -> bool:
