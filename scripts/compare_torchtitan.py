@@ -27,7 +27,8 @@ titanlite runs block_causal on SDPA too.
 Both sides train on the same text: titanlite's Shakespeare training split, handed to the runner as
 its C4-format corpus (TT_DATA_JSON), so the routing's balance, which sets the experts' work per rank
 under expert parallel, is not one side's easier data. titanlite trains with the runner's
-optimizer settings and learning-rate schedule (TORCHTITAN_SCHEDULE). Left different: each side's own
+optimizer settings and learning-rate schedule (TORCHTITAN_SCHEDULE; its linear decay reaches 0 one
+step before TorchTitan's). Left different: each side's own
 inits and document packing. A WARNING line says when the two models' parameter counts
 (each side's log) differ.
 
@@ -90,7 +91,8 @@ FAMILIES = {  # name: (TorchTitan's TT_* shape, titanlite's config file and over
     ]),
 }
 # The runner's optimizer and schedule (TorchTitan's debug config): AdamW at the runner's lr (TT_LR, 8e-4),
-# warmup 2 steps, then the last 80% of the steps decaying linearly to 0. The routing's balance follows
+# warmup 2 steps, then the last 80% of the steps decaying linearly to 0 (titanlite's last step at 0,
+# TorchTitan's at 1/24 of the peak: its decay starts a step later). The routing's balance follows
 # the training, so both sides train alike.
 TORCHTITAN_SCHEDULE = ["--optimizer.lr", os.environ.get("TT_LR", "8e-4"), "--lr_scheduler.warmup_steps", "2",
                        "--lr_scheduler.decay_ratio", "0.8", "--lr_scheduler.decay_type", "linear", "--lr_scheduler.min_lr_factor", "0"]

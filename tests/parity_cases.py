@@ -20,7 +20,7 @@ CASES_2 = {
     "tp2_sp_lp": [TP, "2", "--model.flavor", "debugmodel_gqa"],
     "tp2_no_sp": [TP, "2", "--parallelism.enable_sequence_parallel", "false"],
     "tp2_no_lp": [TP, "2", "--parallelism.disable_loss_parallel"],
-    # q/k/v and w1/w3 as one matmul each: every rank's rows of them, gathered input, partial input gradient.
+    # q/k/v as one matmul: every rank's rows of them, gathered input, partial input gradient.
     "tp2_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections"],
     "tp2_separate_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections", "false"],
     "tp2_no_sp_separate_projections": [TP, "2", "--parallelism.enable_sequence_parallel", "false", "--model.fused_projections", "false"],

@@ -7,7 +7,7 @@ import pytest
 from distributed import run_distributed
 
 
-def _experts_units(num_experts: int, ep: int = 2) -> tuple:
+def _experts_units(num_experts: int, ep: int = 2, param_dtype: str = "float32") -> tuple:
     from dataclasses import replace
 
     from torch.distributed.fsdp import FSDPModule
@@ -18,7 +18,7 @@ def _experts_units(num_experts: int, ep: int = 2) -> tuple:
     from titanlite.parallel.parallelize import parallelize
 
     config = parse_args(["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", str(ep),
-                         "--training.mixed_precision_param", "float32"])
+                         "--training.mixed_precision_param", param_dtype])
     dims = ParallelDims.from_config(config, 4)
     dims.build_mesh("cpu")
     plan = FAMILIES["moe"].plan
@@ -51,12 +51,17 @@ def test_experts_shard_along_dim_1_where_ranks_outnumber_them(num_experts, fsdp_
 def test_experts_no_other_rank_holds_are_left_to_expert_parallel():
     """EP 4 on 4 ranks: every rank holds other experts (efsdp 1), so FSDP has nothing to gather or sum
     for them: they are no unit of their own, no block's unit holds them, and they keep EP's placement
-    alone. Parity: moe_ep4_aux and the EP 2 cases on 2 ranks."""
+    alone. Parity: moe_ep4_aux and the EP 2 cases on 2 ranks. Under bf16 mixed precision they stay a
+    unit: FSDP's cast copy is freed after each block's forward, a cast in the layer would live until
+    its backward."""
     placements, prefetch = run_distributed(_experts_units, 4, 8, 4, timeout=300)[0]
     assert placements["layers.1.feed_forward.experts.w1"] == ["S(0)"]
     assert placements["layers.3.feed_forward.experts.w2"] == ["S(0)"]
     assert placements["layers.1.feed_forward.router.gate.weight"] == ["S(0)"]  # FSDP's, on the 4 data ranks
     assert not any(".experts" in name for name in prefetch) and prefetch["layers.0"] == ["layers.1"]
+    placements, prefetch = run_distributed(_experts_units, 4, 8, 4, "bfloat16", timeout=300)[0]
+    assert len(placements["layers.1.feed_forward.experts.w1"]) == 2  # FSDP's (one rank) and EP's
+    assert prefetch["layers.0"] == ["layers.1", "layers.1.feed_forward.experts"]
 
 
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather")

@@ -4,9 +4,10 @@ all-gather.
 
 One mesh dim shards (FSDP), two dims replicate-and-shard (HSDP); a replicate dim with shard size 1
 is plain data parallel (DDP). Split routed experts (expert parallel, expert TP) are a unit of
-their own on `expert_mesh` (the routing ranks that hold the same experts), inside their block's unit,
-or no unit where that mesh is one rank; under tensor
-parallel a MoE layer is one on `moe_mesh` (the data ranks and tp, whose ranks routed other tokens).
+their own on `expert_mesh` (the routing ranks that hold the same experts), inside their block's
+unit, or no unit where that mesh is one rank and FSDP would neither cast nor offload them; under
+tensor parallel a MoE layer is one on `moe_mesh` (the data ranks and tp, whose ranks routed other
+tokens).
 The loss is divided by the global count of valid tokens, so FSDP's
 own averaging over ranks is turned off (gradient divide factor 1): gradients are summed. On CPU
 the sum is an all-to-all of the gradient slices and a local add (`AllToAllReduceScatter`).
@@ -44,8 +45,13 @@ def apply_fsdp(
     )
     expert_params = {p for experts in plan.experts(model) for p in experts.parameters()}
     # Experts that no other routing rank holds (expert mesh of one rank) have nothing to gather or sum:
-    # FSDP leaves them alone (wrapped, they would be copied in and out of its buffers every pass).
-    alone = expert_mesh is not None and expert_mesh.size() == 1
+    # FSDP leaves them alone (wrapped, it copies them in and out of its buffers every pass). Not where
+    # FSDP casts them to param_dtype (each MoE layer's own cast would then live until its backward,
+    # FSDP's is freed after each block's forward) or offloads them (they would stay on the CPU).
+    alone = (
+        expert_mesh is not None and expert_mesh.size() == 1 and not cpu_offload
+        and all(p.dtype == param_dtype for p in expert_params)
+    )
     shard["ignored_params"] = expert_params if alone else None
     for module in _present(model, plan.head):
         fully_shard(module, reshard_after_forward=reshard_after_forward, **shard)

@@ -32,7 +32,7 @@ class ModelArgs:
     # TorchTitan's other one, runs on flex here). Causal attention runs SDPA's causal kernel.
     attn_mask_type: str = "causal"
     attn_type: str = "flex"
-    # q/k/v in one matmul, and SwiGLU's w1/w3 in one (the parameters stay separate; common/linear.py).
+    # q/k/v in one matmul, and MLA's down projections in one (the parameters stay separate; common/linear.py).
     fused_projections: bool = False
 
     @property
