@@ -37,7 +37,7 @@ from titanlite.parallel.activation_checkpoint import check_replays_done, replays
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
-from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
+from titanlite.parallel.pipeline import MetadataInference, build_schedule, forward_only, pipeline_stages
 
 
 class TrainingDiverged(RuntimeError):
@@ -254,7 +254,8 @@ class Trainer:
             own = local_value(self.cross_entropy(logits, labels))
             depths = [local_value(self.cross_entropy(p, depth_labels[..., k], masked=True)) for k, p in enumerate(predictions)]
         mtp = sum(depths) / len(depths)
-        self.mtp_loss += mtp.detach() / self.loss_scale
+        if not MetadataInference.running:  # a pipeline stage's shape inference: its outputs are no batch's
+            self.mtp_loss += mtp.detach() / self.loss_scale
         return (own + self.mtp_loss_weight * mtp) / self.loss_scale
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, backward: bool) -> torch.Tensor:

@@ -156,13 +156,32 @@ def pipeline_stages(model: nn.Module, plan, dims, config: JobConfig) -> tuple[li
     return ids, len(names), [split_model(model, plan, names[i]) for i in ids]
 
 
+class MetadataInference:
+    """Whether a stage is inferring shapes now: its forward, and the loss torch 2.13 computes after it
+    on the last stage, run on uninitialized activations, so the loss function must keep nothing of
+    them (the trainer's MTP loss sum)."""
+
+    running = False
+
+    @classmethod
+    @contextmanager
+    def of_a_stage(cls):
+        before, cls.running = cls.running, True
+        try:
+            with exchanges_not_replayed():
+                yield
+        finally:
+            cls.running = before
+
+
 def stage_keeping_buffers():
     """torch's PipelineStage, except that the forward it runs at the first step to infer shapes
     (a real forward, on uninitialized activations after the first stage) leaves the model's buffers
     as they were: a MoE layer would count its tokens. That forward, and the backward torch 2.13 runs
     after it on some stages, exchange for themselves: activation checkpointing keeps no record of
-    them for a recompute. (torch 2.13 names these methods _forward_metadata_inference and
-    _backward_metadata_inference, earlier releases have _shape_inference.)"""
+    them for a recompute; both run under `MetadataInference.running`. (torch 2.13 names these
+    methods _forward_metadata_inference and _backward_metadata_inference, earlier releases have
+    _shape_inference.)"""
     import torch
     from torch.distributed.pipelining import PipelineStage
 
@@ -170,7 +189,7 @@ def stage_keeping_buffers():
         def run(self, *args, **kwargs):
             saved = [(b, b.clone()) for b in self.submod.buffers()]
             try:
-                with exchanges_not_replayed():
+                with MetadataInference.of_a_stage():
                     return infer(self, *args, **kwargs)
             finally:
                 with torch.no_grad():
@@ -182,7 +201,7 @@ def stage_keeping_buffers():
 
     def not_replayed(infer):
         def run(self, *args, **kwargs):
-            with exchanges_not_replayed():
+            with MetadataInference.of_a_stage():
                 return infer(self, *args, **kwargs)
 
         return run
