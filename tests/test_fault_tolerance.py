@@ -166,7 +166,7 @@ def logged(folder: Path) -> list[dict]:
 def test_a_killed_replica_group_heals_from_the_survivor_and_rejoins(corpus_jsonl, tmp_path):
     """2 groups x FSDP 2, 50 steps. The victim group's torchrun and ranks get SIGKILL at step 12 and
     start again (38 steps of ~0.5 s for the survivor alone leave the restart room on a loaded 2-core
-    machine): the survivor never stops (each of its 40 steps logged once, finite, the steps it
+    machine): the survivor never stops (each of its 50 steps logged once, finite, the steps it
     trained alone logged with 1 group); the victim takes the survivor's state over HTTP, not from
     disk, in a step both redo, and trains on with it; at the end both hold bitwise identical weights
     and optimizer states.

@@ -63,9 +63,9 @@ def on_host(hosts: Hosts, node: int, cmd: list[str], log: Path, **env: str) -> s
 def test_a_whole_host_dies_and_its_group_heals_across_hosts(hosts, corpus_jsonl, tmp_path):
     """2 groups x FSDP 2, one per host, 50 steps; host 1 is killed whole once its group logged step 8,
     and the group starts there again (40 steps of ~0.5 s for the survivor alone leave its restart room
-    on a loaded 2-core machine; 20 once proved too few): the survivor logs each step once, some with 1 group; the
-    restarted group takes the survivor's state over the veth (torchft's HTTP transport) and both end
-    bitwise equal."""
+    on a loaded 2-core machine; 20 once proved too few): the survivor logs each step once, some with
+    1 group; the restarted group takes the survivor's state over the veth (torchft's HTTP transport)
+    and both end bitwise equal."""
     steps, kill_at, port = 50, 8, 29512
     args = train_args(corpus_jsonl, steps)
     lighthouse = f"http://{hosts.addr[0]}:{port}"
