@@ -199,7 +199,7 @@ def stage_keeping_buffers():
 
         return run
 
-    def not_replayed(infer):
+    def inferring(infer):
         def run(self, *args, **kwargs):
             with MetadataInference.of_a_stage():
                 return infer(self, *args, **kwargs)
@@ -212,7 +212,7 @@ def stage_keeping_buffers():
         if hasattr(PipelineStage, name)
     }
     if hasattr(PipelineStage, "_backward_metadata_inference"):
-        methods["_backward_metadata_inference"] = not_replayed(PipelineStage._backward_metadata_inference)
+        methods["_backward_metadata_inference"] = inferring(PipelineStage._backward_metadata_inference)
     return type("StageKeepingBuffers", (PipelineStage,), methods)
 
 
