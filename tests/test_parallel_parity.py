@@ -268,8 +268,9 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
 
 
 def run_cases(dataset: str, dump_folder: str, cases: dict[str, list[str]]) -> dict:
-    # torch's deterministic mode fills every uninitialized tensor with NaN: a value read from memory
-    # nothing wrote (a pipeline stage's shape inference runs on such activations) shows, every time.
+    # torch's deterministic mode fills uninitialized float tensors with NaN (integer ones with their
+    # largest value): a value read from memory nothing wrote (a later pipeline stage's shape inference
+    # runs on such activations) shows in the loss or gradients it reaches, every time.
     torch.use_deterministic_algorithms(True)
     results = {}
     for name, overrides in cases.items():
