@@ -39,13 +39,13 @@ from parity_cases import CASES_8, EXTENDED, FOUR_RANKS, TWO_RANKS
 
 STEPS = 4
 VALIDATION_STEPS = 2
-KEYS = ("init", "loss", "grad", "grad_l2", "grad_norm", "param", "expert_bias", "validation", "separate_projection_calls")
+KEYS = ("init", "loss", "mtp_loss", "grad", "grad_l2", "grad_norm", "param", "expert_bias", "validation", "separate_projection_calls")
 # Free-running bounds (over 4 steps, lr 8e-4). Two 1-process runs that differ only in the order of
 # summation (the batch as one or as two accumulated microbatches) drift by 1e-6 in loss, 8e-7 in a
 # gradient (relative L2), 8e-8 in the grad norm (relative) and 2e-6 in a weight; the free-running
 # layouts here measured at most 1e-6, 5e-6, 2e-6 and 9e-6. The bounds leave 10x that; a wrong
 # reduction (a dropped or doubled sum) is off by 1e-3 in loss and O(1) in gradients.
-FREE_RUNNING = {"loss": 1e-5, "grad_l2": 1e-4, "grad_norm": 1e-4, "param": 1e-4}
+FREE_RUNNING = {"loss": 1e-5, "mtp_loss": 1e-5, "grad_l2": 1e-4, "grad_norm": 1e-4, "param": 1e-4}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -171,26 +171,27 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     for name, p, ref in pairs:
         record("init", max_abs(local(p.detach()) - local_slice(ref.detach(), p)).item(), name)
 
-    def reference_loss(x: torch.Tensor, y: torch.Tensor, objective: bool = True) -> torch.Tensor:
-        """Summed cross entropy of the reference; with document masks, of each document alone (but of
-        the packed windows where other tokens count: float8 scales by the batch, the aux loss by the
-        window, multi-token prediction across documents), with the documents found by hand. With
-        multi-token prediction the training objective, by DeepSeek's formula (helpers.py), or the
-        model's own loss (not `objective`: validation)."""
+    def reference_losses(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(training objective, the model's own loss), summed cross entropy of the reference; with
+        document masks, of each document alone (but of the packed windows where other tokens count:
+        float8 scales by the batch, the aux loss by the window, multi-token prediction across
+        documents), with the documents found by hand. They differ only with multi-token prediction,
+        whose objective follows DeepSeek's formula (helpers.py)."""
         bos_id = trainer.tokenizer.bos_id
         if trainer.mtp_depth:
             token_inputs = token_inputs_by_hand(x, bos_id, config.model.reset_position_ids) if trainer.document_masking else None
             bos = bos_id if trainer.document_masking else None
-            return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs, bos)[0 if objective else 1]
+            return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs, bos)
         if not trainer.document_masking:
-            return cross_entropy_sum(reference(x), y)
-        if trainer.converters or trainer.aux_loss_on:
-            return cross_entropy_sum(reference(x, **token_inputs_by_hand(x, bos_id, config.model.reset_position_ids)), y)
-        total = torch.zeros(())
-        for row, window in enumerate(x):
-            for start, end in documents_by_hand(window, bos_id):
-                total = total + cross_entropy_sum(reference(window[start:end][None]), y[row, start:end][None])
-        return total
+            own = cross_entropy_sum(reference(x), y)
+        elif trainer.converters or trainer.aux_loss_on:
+            own = cross_entropy_sum(reference(x, **token_inputs_by_hand(x, bos_id, config.model.reset_position_ids)), y)
+        else:
+            own = torch.zeros(())
+            for row, window in enumerate(x):
+                for start, end in documents_by_hand(window, bos_id):
+                    own = own + cross_entropy_sum(reference(window[start:end][None]), y[row, start:end][None])
+        return own, own
 
     rows_per_microbatch = t.local_batch_size * trainer.dp_degree
     gen = torch.Generator().manual_seed(1234)
@@ -208,16 +209,18 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         for i in range(trainer.accumulation_steps):
             start = (i * trainer.dp_degree + trainer.dp_rank) * t.local_batch_size
             microbatches.append((inputs[start : start + t.local_batch_size], labels[start : start + t.local_batch_size]))
-        loss = trainer.global_loss(trainer.compute_gradients(microbatches))
-        if trainer.mtp_depth:  # the logged loss is the model's own; the objective adds MTP's
-            loss += trainer.mtp_loss_weight * trainer.global_loss(trainer.mtp_loss)
+        loss = trainer.global_loss(trainer.compute_gradients(microbatches))  # the model's own, as logged
         # Float8 activation scales come from the batch a rank sees, so the float8 reference runs
         # each rank's microbatch on its own (the sum is the same loss in exact arithmetic).
         rows = t.local_batch_size if trainer.converters else len(inputs)
         pieces = [(inputs[r], labels[r]) for r in forwards] if len(forwards) > 1 else zip(inputs.split(rows), labels.split(rows))
-        ref_loss = sum(reference_loss(x, y) for x, y in pieces) / labels.numel()
+        objectives, owns = zip(*(reference_losses(x, y) for x, y in pieces))
+        ref_loss, ref_own = sum(objectives) / labels.numel(), sum(owns).item() / labels.numel()
         ref_loss.backward()
-        record("loss", abs(loss - ref_loss.item()), f"step {step}")
+        record("loss", abs(loss - ref_own), f"step {step}")
+        if trainer.mtp_depth:  # held on its own: added back to the loss, an error in it would cancel
+            mtp = trainer.mtp_loss_weight * trainer.global_loss(trainer.mtp_loss)
+            record("mtp_loss", abs(mtp - (ref_loss.item() - ref_own)), f"step {step}")
         for name, p, ref in pairs:
             grad = reduced(p.grad)
             diff = local(grad) - local_slice(ref.grad, grad)
@@ -255,7 +258,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         loader = build_dataloader(config, trainer.tokenizer, 0, 1, split="validation")
         loss_sum = tokens = 0
         for _, (x, y) in zip(range(VALIDATION_STEPS * trainer.dp_degree), loader):
-            loss_sum += reference_loss(x, y, objective=False).item()
+            loss_sum += reference_losses(x, y)[1].item()
             tokens += y.numel()
     record("validation", abs(val_loss - loss_sum / tokens), "validation")
     record("separate_projection_calls", sum(unfused_calls.values()), ", ".join(sorted(unfused_calls)))
@@ -306,7 +309,7 @@ ROUNDING_FLIPS = {
 
 
 def check(results: list[dict]) -> None:
-    """Initial weights bitwise; loss absolute; gradients relative to each tensor's largest entry
+    """Initial weights bitwise; loss (and multi-token prediction's apart) absolute; gradients relative to each tensor's largest entry
     (or in L2 where float8 roundings flip); grad norm relative; weights absolute after each AdamW step;
     validation loss absolute. Free-running cases: within FREE_RUNNING's drift bounds."""
     assert results and all(results), "no case ran"
@@ -321,6 +324,7 @@ def check(results: list[dict]) -> None:
                     assert worst[key] < bound, f"{where}: free-running {key} beyond {bound}: {worst}"
                 continue
             assert worst["loss"] < 1e-5, f"{where}: loss differs: {worst}"
+            assert worst["mtp_loss"] < 1e-5, f"{where}: multi-token prediction loss differs: {worst}"
             if case in ROUNDING_FLIPS:
                 bound = ROUNDING_FLIPS[case]
                 assert worst["grad_l2"] < bound, f"{where}: gradient differs beyond {bound} (relative L2): {worst}"
