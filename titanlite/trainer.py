@@ -37,7 +37,8 @@ from titanlite.parallel.activation_checkpoint import check_replays_done, replays
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
-from titanlite.parallel.pipeline import MetadataInference, build_schedule, forward_only, pipeline_stages
+from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
+from titanlite.parallel.stage_inference import MetadataInference
 
 
 class TrainingDiverged(RuntimeError):

@@ -15,7 +15,6 @@ checkpointing exchanges the tokens again rather than keep 2 x top_k copies of a 
 from __future__ import annotations
 
 from collections import deque
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -24,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.parallel.document_ring import document_ring
+from titanlite.parallel.stage_inference import MetadataInference
 
 aten = torch.ops.aten
 SAVED_OPS = {
@@ -54,10 +54,8 @@ class ForwardReplay:
         self.active, self.records, self.recording, self.replaying = False, deque(), False, None
         self.keep_bulky = False  # keep exchanges marked bulky (tokens) too: the op policy
 
-    suspended = False  # exchanges_not_replayed
-
     def begin(self) -> None:
-        recorded = self.active and torch.is_grad_enabled() and not ForwardReplay.suspended
+        recorded = self.active and torch.is_grad_enabled() and not MetadataInference.running
         in_backward = torch._C._current_graph_task_id() != -1
         self.recording, self.replaying = recorded and not in_backward, None
         if self.recording:
@@ -74,16 +72,6 @@ class ForwardReplay:
         if self.recording:
             self.records[-1].append(value)
         return value
-
-
-@contextmanager
-def exchanges_not_replayed():
-    """Forwards (and their recomputes) that exchange for themselves: a pipeline stage's shape inference."""
-    before, ForwardReplay.suspended = ForwardReplay.suspended, True
-    try:
-        yield
-    finally:
-        ForwardReplay.suspended = before
 
 
 def check_replays_done(replays_: list[ForwardReplay]) -> None:

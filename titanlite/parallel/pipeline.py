@@ -18,7 +18,7 @@ from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.parallel.activation_checkpoint import exchanges_not_replayed
+from titanlite.parallel.stage_inference import MetadataInference
 
 V_SCHEDULES = ("zbvzerobubble", "dualpipev")
 # Schedules that take a microbatch's backward in two autograd passes (inputs, then weights), each
@@ -154,24 +154,6 @@ def pipeline_stages(model: nn.Module, plan, dims, config: JobConfig) -> tuple[li
     n_layers = len(getattr(model, plan.blocks))
     names, ids = plan_stages(config, plan, n_layers, dims.pp, dims.get_mesh("pp").get_local_rank())
     return ids, len(names), [split_model(model, plan, names[i]) for i in ids]
-
-
-class MetadataInference:
-    """Whether a stage is inferring shapes now: its forward, and the loss torch 2.13 computes after it
-    on the last stage, run on uninitialized activations, so the loss function must keep nothing of
-    them (the trainer's MTP loss sum)."""
-
-    running = False
-
-    @classmethod
-    @contextmanager
-    def of_a_stage(cls):
-        before, cls.running = cls.running, True
-        try:
-            with exchanges_not_replayed():
-                yield
-        finally:
-            cls.running = before
 
 
 def stage_keeping_buffers():
