@@ -1,8 +1,8 @@
 """Whether a pipeline stage is inferring its shapes now.
 
-At the first step (and the first training step after each validation) torch's PipelineStage runs a
-forward to learn its outputs' shapes, after the first stage on activations nothing wrote, and torch
-2.13 computes the loss of the last stage's outputs and runs a backward after it. Two things must
+At the first step, and at each switch between training and validation, torch's PipelineStage runs a
+forward to learn its outputs' shapes, after the first stage on activations nothing wrote; in training
+torch 2.13 then computes the loss of the last stage's outputs and runs a backward. Two things must
 keep nothing of those passes: the trainer's MTP loss sum, and activation checkpointing's record of
 a forward's exchanges (these passes exchange for themselves, and no recompute will read them).
 """
@@ -13,6 +13,9 @@ from contextlib import contextmanager
 
 
 class MetadataInference:
+    """`running` while a stage infers its shapes: `of_a_stage()` around torch's inference methods
+    (parallel/pipeline.py)."""
+
     running = False
 
     @classmethod
