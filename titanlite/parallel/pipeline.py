@@ -167,24 +167,25 @@ def stage_keeping_buffers():
     import torch
     from torch.distributed.pipelining import PipelineStage
 
+    def inferring(infer):
+        def run(self, *args, **kwargs):
+            with MetadataInference.of_a_stage():
+                return infer(self, *args, **kwargs)
+
+        return run
+
     def keeping_buffers(infer):
+        infer = inferring(infer)
+
         def run(self, *args, **kwargs):
             saved = [(b, b.clone()) for b in self.submod.buffers()]
             try:
-                with MetadataInference.of_a_stage():
-                    return infer(self, *args, **kwargs)
+                return infer(self, *args, **kwargs)
             finally:
                 with torch.no_grad():
                     for buffer, value in saved:
                         if not torch.equal(buffer, value):  # untouched ones (RoPE) may be in the graph
                             buffer.copy_(value)
-
-        return run
-
-    def inferring(infer):
-        def run(self, *args, **kwargs):
-            with MetadataInference.of_a_stage():
-                return infer(self, *args, **kwargs)
 
         return run
 
