@@ -72,7 +72,7 @@ def test_debug_moe_config_trains_on_two_expert_parallel_ranks(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
-    assert "moe_max_load" in EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert "moe/max_load" in EventAccumulator(str(events)).Reload().Tags()["scalars"]
 
 
 def test_run_train_sh_passes_overrides(corpus_jsonl, tmp_path):
@@ -254,7 +254,7 @@ def test_debug_deepseek_v3_config_trains_and_its_mtp_loss_falls(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
-    assert "mtp_loss" in EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert "loss/mtp_loss" in EventAccumulator(str(events)).Reload().Tags()["scalars"]
 
 
 def test_debug_llama4_config_trains_with_a_falling_loss(tmp_path):

@@ -39,3 +39,40 @@ def test_gpu_table_matches_device_names():
     assert find_gpu("NVIDIA GB200").name == "GB200" and find_gpu("NVIDIA B200").name == "B200"
     assert find_gpu("Some Future GPU") is None
     assert power_reader(torch.device("cpu")) is None
+
+
+def test_tensorboard_tags_are_grouped_with_the_loss_chart_first(tmp_path):
+    """TensorBoard groups charts by the tag's prefix before '/' and sorts groups and charts by name:
+    every scalar has a group, the loss sorts first, and each metrics.jsonl key has a tag of its own
+    holding the same value. The logger gets every key a run can write: the row's, a MoE's and MTP's
+    extras, fault tolerance's, a power reading (none on CPU: stood in for) and a validation."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = parse_args(["--job.dump_folder", str(tmp_path), "--metrics.enable_tensorboard", "true",
+                         "--metrics.gpu_hour_cost", "2.0", "--metrics.peak_flops", "1e12"])
+    logger = MetricsLogger(config, torch.device("cpu"), flops_per_token=6_000_000, tokens_divisor=1, rank=0)
+    logger.power = ("NVML", lambda: 300.0)
+    logger.open(append=False)
+    logger.record_step(tokens=4000, data_seconds=0.01)
+    extras = {"mtp_loss": 2.5, "moe_max_load": 1.7, "moe_aux_loss": 0.003, "ft_replicas": 2.0, "ft_participating": 1.0,
+              "ft_steps_redone": 3.0, "ft_stalled_seconds": 0.4, "ft_goodput": 0.9, "ft_syncs": 5.0, "ft_syncs_failed": 0.0}
+    logger.log(step=1, loss=3.0, grad_norm=1.5, lr=1e-3, tokens_seen=4000, skipped_steps=0, extras=extras)
+    logger.log_validation(step=1, loss=2.75)
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    keys = [k for row in rows for k in row if k != "step"]
+    (events,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
+    scalars = EventAccumulator(str(events)).Reload()
+    tags = scalars.Tags()["scalars"]
+    assert all(tag.count("/") == 1 and all(tag.split("/")) for tag in tags), tags
+    assert sorted(tags)[0] == "loss/loss", sorted(tags)
+    assert {"loss/loss", "loss/mtp_loss", "optimizer/grad_norm", "optimizer/lr", "throughput/tps", "throughput/mfu",
+            "validation/loss", "moe/max_load", "torchft/goodput"} <= set(tags), tags
+    from titanlite.metrics import TB_TAGS
+
+    assert len(tags) == len(keys) == len({TB_TAGS[k] for k in keys}) and set(tags) == {TB_TAGS[k] for k in keys}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                (event,) = scalars.Scalars(TB_TAGS[key])
+                assert event.step == 1 and event.value == pytest.approx(value, rel=1e-6), key

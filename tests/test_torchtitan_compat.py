@@ -247,10 +247,10 @@ def wandb_history(run_folder) -> list[dict]:
 def test_wandb_offline_run_logs_the_tensorboard_scalars(corpus_jsonl, tmp_path):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
     run(1, tiny_args(corpus_jsonl, tmp_path, "--training.steps", "3", "--metrics.enable_wandb"), env={"WANDB_MODE": "offline"})
-    rows = [r for r in wandb_history(tmp_path) if "loss" in r]
+    rows = [r for r in wandb_history(tmp_path) if "loss/loss" in r]  # TensorBoard's grouped tags
     assert [r["_step"] for r in rows] == [1, 2, 3]
-    assert [r["loss"] for r in rows] == losses(tmp_path)
-    for key in ("grad_norm", "lr", "tps", "mfu", "memory_gib"):
+    assert [r["loss/loss"] for r in rows] == losses(tmp_path)
+    for key in ("optimizer/grad_norm", "optimizer/lr", "throughput/tps", "throughput/mfu", "memory/peak_gib"):
         assert all(key in r for r in rows), key
 
 

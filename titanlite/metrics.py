@@ -117,6 +117,49 @@ def open_wandb(config, folder: Path, rank: int, all_ranks: bool):
     )
 
 
+# Each metrics.jsonl key's TensorBoard (and W&B) tag, "group/name": both show a group per prefix and
+# sort groups and the charts in them by name. So no group sorts before "loss" (fault tolerance is
+# "torchft", cost sits with throughput) and nothing in loss/ sorts before "loss/loss" (grad_norm and
+# lr are the optimizer step's). metrics.jsonl keeps the flat keys.
+TB_TAGS = {
+    "loss": "loss/loss",
+    "mtp_loss": "loss/mtp_loss",
+    "grad_norm": "optimizer/grad_norm",
+    "lr": "optimizer/lr",
+    "skipped_steps": "optimizer/skipped_steps",
+    "tps": "throughput/tps",
+    "tflops": "throughput/tflops",
+    "mfu": "throughput/mfu",
+    "tokens_seen": "throughput/tokens_seen",
+    "usd_per_mtok": "throughput/usd_per_mtok",
+    "memory_gib": "memory/peak_gib",
+    "step_time_s": "time/step_s",
+    "data_share": "time/data_share",
+    "elapsed_s": "time/elapsed_s",
+    "power_w": "power/watts",
+    "joules_per_token": "power/joules_per_token",
+    "moe_max_load": "moe/max_load",
+    "moe_aux_loss": "moe/aux_loss",
+    "ft_replicas": "torchft/replicas",
+    "ft_participating": "torchft/participating",
+    "ft_steps_redone": "torchft/steps_redone",
+    "ft_stalled_seconds": "torchft/stalled_seconds",
+    "ft_goodput": "torchft/goodput",
+    "ft_syncs": "torchft/syncs",
+    "ft_syncs_failed": "torchft/syncs_failed",
+    "val_loss": "validation/loss",
+    "val_perplexity": "validation/perplexity",
+}
+
+
+def scalar_tags(row: dict) -> dict[str, float]:
+    """A metrics.jsonl row's scalars under their TensorBoard tags."""
+    missing = set(row) - set(TB_TAGS) - {"step"}
+    if missing:  # a new metric: it needs a group, or it would sort among the groups by its own name
+        raise KeyError(f"metrics {sorted(missing)} have no TensorBoard tag; add them to titanlite.metrics.TB_TAGS")
+    return {TB_TAGS[k]: v for k, v in row.items() if k != "step"}
+
+
 class MetricsLogger:
     """Accumulates timing between log steps and writes the console, TensorBoard, W&B and JSONL rows.
 
@@ -220,16 +263,16 @@ class MetricsLogger:
         return row
 
     def _write(self, step: int, row: dict) -> None:
+        scalars = scalar_tags(row)  # on every rank, TensorBoard or not: a metric without a tag fails any run's test
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
         if self.tb:
-            for key, value in row.items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, step)
+            for tag, value in scalars.items():
+                self.tb.add_scalar(tag, value, step)
             self.tb.flush()
         if self.wandb:
-            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         for handle in (self.jsonl, self.tb):
