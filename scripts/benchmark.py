@@ -86,7 +86,9 @@ PRESETS = {
         Run("bf16_compile", 1, COMPILE),
         Run("float8_tensorwise_compile", 1, COMPILE + FLOAT8),
         Run("float8_rowwise_compile", 1, COMPILE + FLOAT8 + ["--quantize.linear.float8.recipe_name", "rowwise"]),
-        Run("bf16_compile_ac_op", 1, COMPILE + ["--activation_checkpoint.mode", "selective"]),
+        # The per-op policy: mode selective alone checkpoints every second block (selective_ac_option's default, 2).
+        Run("bf16_compile_ac_op", 1, COMPILE + ["--activation_checkpoint.mode", "selective",
+                                                "--activation_checkpoint.selective_ac_option", "op"]),
         Run("bf16_compile_ac_full", 1, COMPILE + ["--activation_checkpoint.mode", "full"]),
         # Document masks at seq 8192, against bf16_compile (SDPA causal): FlexAttention, SDPA's boolean mask.
         Run("bf16_compile_block_causal_flex", 1, COMPILE + BLOCK_CAUSAL + ["flex"]),

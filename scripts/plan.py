@@ -21,19 +21,18 @@ from dataclasses import fields
 from pathlib import Path
 
 from titanlite.hardware import GPUS, find_gpu
+from titanlite.models import FAMILIES
 from titanlite.models.common.args import ModelArgs
-from titanlite.models.llama3.args import LLAMA3_FLAVORS
-from titanlite.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
-from titanlite.models.llama4.args import LLAMA4_FLAVORS
-from titanlite.models.moe.args import MOE_FLAVORS
-from titanlite.planner import FITTED, GIB, Layout, breakdown, estimate, explain, fit_constants, plan, published_runs, run_flags
+from titanlite.planner import FITTED, GIB, Layout, breakdown, estimate, explain, fit_constants, plan, published_runs, run_command
+from titanlite.planner.command import stage_split
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-FLAVORS = {name: args for name, args in (LLAMA3_FLAVORS | MOE_FLAVORS | {f"deepseek_v3_{k}": v for k, v in DEEPSEEK_V3_FLAVORS.items()}
-                                         | {f"llama4_{k}": v for k, v in LLAMA4_FLAVORS.items()}).items()
-           if "debug" not in name}
+# plan.py's model names: (family, flavor) of titanlite's published shapes.
+MODELS = {prefix + flavor: (family, flavor)
+          for family, prefix in (("llama3", ""), ("moe", ""), ("deepseek_v3", "deepseek_v3_"), ("llama4", "llama4_"))
+          for flavor in FAMILIES[family].flavors if "debug" not in flavor}
 PUBLISHED = REPO / "docs" / "published_runs.jsonl"
 
 
@@ -68,11 +67,12 @@ def parse_layout(text: str) -> Layout:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=list(FLAVORS), default="8B")
+    parser.add_argument("--model", choices=list(MODELS), default="8B")
     parser.add_argument("--dims", help="dim,layers,heads,kv_heads instead of --model (ffn = Llama's rule)")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(g.name for g in GPUS)}")
     parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (run_train.sh's NGPU)")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: 2 per GPU)")
     parser.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None,
@@ -100,12 +100,27 @@ def main() -> int:
     if gpu is None:
         print(f"plan.py: --gpu '{args.gpu}' unknown; use one of {', '.join(g.name for g in GPUS)}", file=sys.stderr)
         return 2
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        print(f"plan.py: --gpus {args.gpus} is not whole nodes of --gpus-per-node {args.gpus_per_node}", file=sys.stderr)
+        return 2
     if args.dims:
         dim, layers, heads, kv = map(int, args.dims.split(","))
         model = ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=args.vocab)
+        # Trained as Llama 3 8B's flavor (ModelArgs' defaults: its FFN rule) with these shapes.
+        name, flavor, overrides = "llama3", "8B", (f"dim={dim}", f"n_heads={heads}", f"n_kv_heads={kv}")
     else:
-        model = FLAVORS[args.model]
+        (name, flavor), overrides, layers = MODELS[args.model], (), 0
+        model = FAMILIES[name].flavors[flavor]
     global_batch = args.global_batch or 2 * args.gpus
+
+    def command(layout: Layout) -> str:
+        nodes = f"on each of the {layout.gpus // args.gpus_per_node} nodes, with NODE_RANK and RDZV_ENDPOINT=host:port set" \
+            if layout.gpus > args.gpus_per_node else "on this node"
+        vocab = f"; the vocabulary is the flavor's {FAMILIES[name].flavors[flavor].vocab_size}, not --vocab" \
+            if args.dims and args.vocab != FAMILIES[name].flavors[flavor].vocab_size else ""
+        return (f"\nrun it ({nodes}{vocab}):\n"
+                + run_command(layout, model, name, flavor, args.seq_len, global_batch, args.gpus_per_node, overrides, layers))
+
     print(f"{args.model if not args.dims else args.dims}: {model.num_params() / 1e9:.1f}B params; {args.gpus} x {gpu.name} "
           f"({gpu.hbm_bytes / GIB:.0f} GiB); seq {args.seq_len}, global batch {global_batch} sequences")
     if args.layout:
@@ -116,6 +131,11 @@ def main() -> int:
         e = estimate(model, args.seq_len, global_batch, gpu, layout)
         print(f"{layout.describe()}: {'fits' if e.fits else 'DOES NOT FIT'}; {e.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, "
               f"MFU {100 * e.mfu:.1f}%\n  {breakdown(e)}")
+        if layout.vp > 2 and not stage_split(model.n_layers, layout.pp * layout.vp):
+            print(f"plan.py: titanlite cannot cut {model.n_layers} blocks into {layout.pp * layout.vp} stages "
+                  "(pipeline_parallel_layers_per_stage and first/last_stage_less_layers); choose another vp", file=sys.stderr)
+            return 2
+        print(command(layout))
         return 0
     fitting, rejected = plan(model, args.seq_len, global_batch, gpu, args.gpus, args.float8)
     print(f"{len(fitting)} layouts fit, {len(rejected)} do not\n")
@@ -126,7 +146,7 @@ def main() -> int:
     print()
     print("\n".join(explain(fitting, rejected, model, args.seq_len)))
     if fitting:
-        print(f"\nrun it: ./run_train.sh --training.seq_len {args.seq_len} {' '.join(run_flags(fitting[0].layout, model, global_batch))}")
+        print(command(fitting[0].layout))
     return 0
 
 

@@ -8,6 +8,7 @@ from itertools import product
 
 from titanlite.hardware import GPU
 from titanlite.models.common.args import ModelArgs, MoEArgs
+from titanlite.planner.command import stage_split
 from titanlite.planner.cost_model import GIB, GPU_OVERHEAD, VALIDATED, Estimate, Layout, estimate, gpu_family
 
 
@@ -39,8 +40,10 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
             dp_shard = dp // dp_replicate
             eps = [1] + [cp * tp * d for d in powers_of_two(dp_shard)
                          if dp_shard % d == 0 and cp * tp * d > 1 and experts % (cp * tp * d) == 0] if experts > 1 else [1]
-            # Interleaved schedules: up to 4 stages per rank, each at least 2 blocks.
-            vps = [vp for vp in (1, 2, 4) if pp > 1 and model.n_layers >= 2 * pp * vp] or [1]
+            # Interleaved schedules: up to 4 stages per rank, each at least 2 blocks; more than 2 where
+            # titanlite can cut the blocks into that many stages (command.stage_split).
+            vps = [vp for vp in (1, 2, 4) if pp > 1 and model.n_layers >= 2 * pp * vp
+                   and (vp <= 2 or stage_split(model.n_layers, pp * vp))] or [1]
             for microbatch, ac, f8, ep, vp in product(powers_of_two(local_batch), ("none", "op", "full"), float8_options, eps, vps):
                 if local_batch % microbatch or (pp > 1 and local_batch // microbatch < pp):
                     continue
@@ -147,27 +150,3 @@ def explain(fitting: list[Estimate], rejected: list[Estimate], model: ModelArgs 
                      f"{rejected[-1].memory_total / GIB:.0f} GiB")
     return lines
 
-
-def run_flags(layout: Layout, model: ModelArgs, global_batch: int) -> list[str]:
-    """The run_train.sh overrides that train `layout` (for layouts titanlite runs: no ZeRO-1, no
-    published-only dispatchers), with `global_batch` sequences a step: under PP one pipeline step of
-    all of a data rank's sequences, otherwise microbatches accumulated."""
-    p = "--parallelism."
-    data_ranks = layout.dp_replicate * layout.dp_shard
-    flags = [f"{p}data_parallel_replicate_degree", str(layout.dp_replicate), f"{p}data_parallel_shard_degree", str(layout.dp_shard),
-             f"{p}tensor_parallel_degree", str(layout.tp), f"{p}context_parallel_degree", str(layout.cp),
-             f"{p}expert_parallel_degree", str(layout.ep), f"{p}pipeline_parallel_degree", str(layout.pp),
-             "--training.global_batch_size", str(global_batch)]
-    if layout.pp > 1:
-        schedule = "ZBVZeroBubble" if layout.zero_bubble else "Interleaved1F1B" if layout.vp > 1 else "1F1B"
-        flags += [f"{p}pipeline_parallel_schedule", schedule, f"{p}pipeline_parallel_microbatch_size", str(layout.microbatch),
-                  "--training.local_batch_size", str(global_batch // data_ranks)]
-        if layout.vp > 2:  # more stages per rank than the interleaved default of 2
-            flags += [f"{p}pipeline_parallel_layers_per_stage", str(-(-(model.n_layers + 2) // (layout.pp * layout.vp)))]
-    else:
-        flags += ["--training.local_batch_size", str(layout.microbatch)]
-    flags += ["--activation_checkpoint.mode", {"none": "none", "op": "selective", "full": "full"}[layout.ac]]
-    flags += ["--model.converters", "float8"] if layout.float8 else []
-    flags += ["--compile.enable"] if layout.compile else []
-    flags += [f"{p}enable_async_tensor_parallel"] if layout.tp_overlap else []
-    return flags
