@@ -3,6 +3,7 @@ DeepseekV3ForCausalLM (import and export, group-limited routing and the route sc
 DeepSeek's float8 release format, YaRN, and the shape checks. Layouts: test_parallel_parity.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,7 +11,12 @@ import torch
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import build_model, model_args
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+try:
+    import transformers
+except ImportError:
+    transformers = None
+# Only the comparisons with transformers' model need it; the others run without it.
+needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers is not installed (pip install -e '.[test]')")
 
 
 # Published totals and activated parameters in billions (DeepSeek-V2-Lite's and V3's model cards;
@@ -81,6 +87,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7}
 
 
+@needs_transformers
 @pytest.mark.parametrize("variant", ["q_lora", "no_q_lora_yarn"])
 def test_hugging_face_import_and_export_match_transformers(variant, tmp_path):
     """A random DeepseekV3ForCausalLM imports with its logits (fp32, 1e-4), and our model exports to
@@ -114,6 +121,7 @@ def test_hugging_face_import_and_export_match_transformers(variant, tmp_path):
         torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-4, atol=1e-4)
 
 
+@needs_transformers
 def test_float8_release_weights_are_multiplied_out_by_their_block_scales(tmp_path):
     """DeepSeek-V3's release format: float8_e4m3fn weights with a float32 weight_scale_inv per 128x128
     block (edge blocks partial). Import gives weight * scale, block by block."""
@@ -222,6 +230,7 @@ def test_multi_token_prediction_loss_follows_deepseeks_formula(tmp_path):
         dist.destroy_process_group()
 
 
+@needs_transformers
 def test_mtp_layers_round_trip_as_deepseeks_layer_after_the_model_and_may_be_absent(tmp_path):
     """Export writes MTP depth k as layer n_layers + k in DeepSeek's names (enorm, hnorm, eh_proj,
     shared_head.norm, the block, and copies of the embedding and head); import reads it back into the
@@ -276,7 +285,7 @@ def test_mtp_layers_round_trip_as_deepseeks_layer_after_the_model_and_may_be_abs
         config_json = tmp_path / "hf" / "config.json"
         original = json.loads(config_json.read_text())
         for change, words in [({"routed_scaling_factor": 1.0}, "routed_scaling_factor=1.0"),
-                              ({"rope_parameters": YARN}, "applies YaRN with factor 4.0 at every length")]:
+                              ({"rope_parameters": YARN}, "rope_scaling.factor=4.0, the model being trained yarn_factor=1.0")]:
             config_json.write_text(json.dumps(original | change))
             with pytest.raises(ConfigError, match=words):
                 trainer.checkpointer.load_hf_weights(tmp_path / "hf")
@@ -335,21 +344,39 @@ def test_mtp_module_joins_the_normed_embedding_and_hidden_state_embedding_first(
     torch.testing.assert_close(seen[0], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_yarn_applies_past_the_original_length_or_always_when_asked():
-    """DeepSeek's rule: YaRN (frequencies and mscale) only for sequences longer than the original
-    context, so V3 pre-trains at 4K without it; yarn_always applies it at any length (transformers'
-    behaviour, for weights already extended)."""
+
+
+def test_yarn_comes_from_the_flavor_never_from_the_run_lengths():
+    """Whether YaRN applies is the flavor's (DeepSeek's rope_scaling), as in transformers and TorchTitan:
+    V3 and V2-Lite get YaRN's frequencies and softmax mscale at any length, and a validation longer
+    than training (the RoPE table grows to it, trainer.longest_sequence) changes neither. Expected values:
+    DeepSeek's formulas, mscale = 0.1 * mscale_all_dim * ln(40) + 1 squared on the softmax, and
+    frequencies turning fewer than beta_slow=1 times over 4096 positions divided by 40."""
     from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
+    from titanlite.trainer import longest_sequence
 
-    def args(seq_len, *pairs):
-        config = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.n_layers", "1",
-                             *(["--model.flavor_overrides", ",".join(pairs)] if pairs else [])])
-        return model_args("deepseek_v3", "16B", 0, seq_len, config.model.n_layers, config.model)
-
-    plain = torch.outer(torch.arange(16.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
-    for a, on in [(args(4096), False), (args(8192), True), (args(4096, "yarn_always=true"), True)]:
-        with torch.device("meta"):
-            model = DeepSeekV3Transformer(a)
-        table = model.rope_table()[:16]
-        assert a.yarn_on == on and (a.softmax_mscale != 1.0) == on
-        assert torch.allclose(table[:, :32], plain.cos() * a.rope_attention_factor, atol=1e-6) != on, a
+    plain = 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)
+    slow = 4096 * plain / (2 * torch.pi) < 1  # the dims YaRN interpolates fully
+    for flavor, mscale_all_dim in [("671B", 1.0), ("16B", 0.707)]:
+        tables = []
+        for seq_len, validation in [(4096, None), (4096, 8192), (128, None), (8192, None)]:
+            cli = ["--model.name", "deepseek_v3", "--model.flavor", flavor, "--model.n_layers", "1",
+                   "--training.seq_len", str(seq_len), "--validation.enable", str(validation is not None).lower(),
+                   "--validation.seq_len", str(validation or seq_len)]
+            config = parse_args(cli)
+            args = model_args("deepseek_v3", flavor, 0, longest_sequence(config), 1, config.model)
+            assert args.max_seq_len == (validation or seq_len)
+            expected_mscale = (0.1 * mscale_all_dim * math.log(40) + 1) ** 2
+            assert args.softmax_mscale == pytest.approx(expected_mscale, rel=1e-12), (flavor, seq_len, validation)
+            with torch.device("meta"):
+                model = DeepSeekV3Transformer(args)
+            assert model.layers["0"].attention.query_scale == args.softmax_mscale
+            table = model.rope_table()[:128]
+            frequencies = torch.atan2(table[1, 32:], table[1, :32])
+            torch.testing.assert_close(frequencies[slow], plain[slow] / 40, rtol=1e-5, atol=0)
+            tables.append(table)
+        assert all(torch.equal(t, tables[0]) for t in tables[1:]), flavor
+    # Plain RoPE is a flavor override away (V3's pre-training before its context extension), at any length.
+    config = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.flavor_overrides", "yarn_factor=1"])
+    args = model_args("deepseek_v3", "671B", 0, 163840, 1, config.model)
+    assert not args.yarn_on and args.softmax_mscale == 1.0 and args.rope_attention_factor == 1.0

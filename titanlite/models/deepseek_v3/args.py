@@ -4,7 +4,7 @@ Multi-head latent attention (MLA): queries from a low-rank latent (`q_lora_rank`
 the input, as in V2-Lite), keys and values from one shared latent of `kv_lora_rank`, each head's
 query/key split into a part without position (`qk_nope_head_dim`) and a RoPE part
 (`qk_rope_head_dim`, one key part shared by all heads); values have `v_head_dim`. RoPE is YaRN-scaled
-past `yarn_original_seq_len` tokens when `yarn_factor` > 1, and YaRN's mscale sharpens the softmax.
+when `yarn_factor` > 1 (the flavor's, from DeepSeek's rope_scaling), and YaRN's mscale sharpens the softmax.
 """
 
 from __future__ import annotations
@@ -30,17 +30,16 @@ class DeepSeekV3Args(MoEArgs):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    # YaRN (DeepSeek's rope_scaling): frequencies interpolated by `yarn_factor` beyond
-    # `yarn_original_seq_len`, blended between beta_fast and beta_slow rotations. As in DeepSeek's and
-    # TorchTitan's code it applies only to sequences longer than that (V3 pre-trained at 4K without
-    # it); `yarn_always` applies it at any length, as transformers does for weights already extended.
+    # YaRN (DeepSeek's rope_scaling): frequencies interpolated by `yarn_factor` over an original context of
+    # `yarn_original_seq_len`, blended between beta_fast and beta_slow rotations. On wherever the factor
+    # is > 1, at any sequence length, as transformers and TorchTitan apply it: the run's lengths (training's,
+    # validation's) never switch it. yarn_factor=1: plain RoPE (V3's pre-training at 4K, before its extension).
     yarn_factor: float = 1.0
     yarn_original_seq_len: int = 4096
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 1.0
-    yarn_always: bool = False
     # Multi-token prediction: `mtp_depth` extra modules, each predicting one token further ahead;
     # their mean loss is weighted by `mtp_loss_weight`.
     mtp_depth: int = 0
@@ -60,7 +59,7 @@ class DeepSeekV3Args(MoEArgs):
 
     @property
     def yarn_on(self) -> bool:
-        return self.yarn_factor > 1 and (self.yarn_always or self.max_seq_len > self.yarn_original_seq_len)
+        return self.yarn_factor > 1
 
     @property
     def softmax_mscale(self) -> float:

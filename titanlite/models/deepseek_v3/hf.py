@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from titanlite.errors import ConfigError
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, dequantized, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, dequantized, hf_tensors, read_hf_config, write_shards
+from titanlite.models.common.args import SET_ELSEWHERE
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args, check_hf_exportable
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.moe.hf import EXPERT_NAMES, HF_EXPERT_NAMES
@@ -80,7 +81,7 @@ def to_hf_tensors(name: str, w: torch.Tensor, args: DeepSeekV3Args) -> list[tupl
 def hf_config(args: DeepSeekV3Args, dtype: torch.dtype) -> dict:
     check_hf_exportable(args)
     rope_scaling, positions = None, args.max_seq_len
-    if args.yarn_on:  # transformers applies YaRN at every length: written only where the model applies it
+    if args.yarn_on:
         positions = int(args.yarn_original_seq_len * args.yarn_factor)
         rope_scaling = {
             "type": "yarn", "factor": args.yarn_factor, "original_max_position_embeddings": args.yarn_original_seq_len,
@@ -111,31 +112,83 @@ def save_hf(read, sizes: dict[str, int], args: DeepSeekV3Args, folder: Path, dty
     write_shards(read, sizes, folder, dtype, lambda name, w: to_hf_tensors(name, w, args), hf_config(args, dtype), shard_bytes)
 
 
+# config.json's keys -> (the args field they set, the value transformers' DeepseekV3Config takes where a file
+# leaves the key out). intermediate_size is the dense blocks' SwiGLU (args.ffn_hidden_dim).
+HF_FIELDS = {
+    "hidden_size": ("dim", 7168), "num_hidden_layers": ("n_layers", 61), "num_attention_heads": ("n_heads", 128),
+    "vocab_size": ("vocab_size", 129280), "intermediate_size": ("dense_hidden_dim", 18432),
+    "moe_intermediate_size": ("moe_hidden_dim", 2048), "n_routed_experts": ("num_experts", 256),
+    "n_shared_experts": ("num_shared_experts", 1), "num_experts_per_tok": ("top_k", 8),
+    "first_k_dense_replace": ("n_dense_layers", 3), "kv_lora_rank": ("kv_lora_rank", 512), "q_lora_rank": ("q_lora_rank", 1536),
+    "qk_rope_head_dim": ("qk_rope_head_dim", 64), "qk_nope_head_dim": ("qk_nope_head_dim", 128),
+    "v_head_dim": ("v_head_dim", 128), "n_group": ("n_group", 8), "topk_group": ("topk_group", 4),
+    "routed_scaling_factor": ("route_scale", 2.5), "norm_topk_prob": ("route_norm", True), "rms_norm_eps": ("norm_eps", 1e-6),
+    "rope_interleave": ("rope_interleave", True),
+}
+YARN_FIELDS = {"original_max_position_embeddings": "yarn_original_seq_len", "beta_fast": "yarn_beta_fast",
+               "beta_slow": "yarn_beta_slow", "mscale_all_dim": "yarn_mscale_all_dim", "mscale": "yarn_mscale"}
+
+
 def check_hf_shapes(config: dict, args: DeepSeekV3Args, folder: Path) -> None:
-    expected = {
-        "hidden_size": (args.dim, None), "num_hidden_layers": (args.n_layers, None), "num_attention_heads": (args.n_heads, None),
-        "vocab_size": (args.vocab_size, None), "intermediate_size": (args.ffn_hidden_dim, None),
-        "moe_intermediate_size": (args.moe_hidden_dim, None), "n_routed_experts": (args.num_experts, None),
-        "n_shared_experts": (args.num_shared_experts, None), "num_experts_per_tok": (args.top_k, None),
-        "first_k_dense_replace": (args.n_dense_layers, None), "kv_lora_rank": (args.kv_lora_rank, None),
-        "q_lora_rank": (args.q_lora_rank, 0), "qk_rope_head_dim": (args.qk_rope_head_dim, None),
-        "qk_nope_head_dim": (args.qk_nope_head_dim, None), "v_head_dim": (args.v_head_dim, None),
-        "n_group": (args.n_group, 1), "topk_group": (args.topk_group, 1),
-        # transformers' DeepseekV3Config defaults where a file leaves them out.
-        "routed_scaling_factor": (args.route_scale, 2.5), "norm_topk_prob": (args.route_norm, True),
-        "rms_norm_eps": (args.norm_eps, 1e-6),
-    }
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or rope
-    yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
-    found = {"rope_theta": config.get("rope_theta", rope.get("rope_theta")), "yarn_factor": scaling.get("factor") if yarn else 1.0}
-    check_config_values(config | found, expected | {"rope_theta": (args.rope_theta, 10000.0)}, folder)
-    if found["yarn_factor"] != (args.yarn_factor if args.yarn_on else 1.0):
+    """ConfigError naming the first value of config.json (transformers' default where it leaves a key out)
+    that transformers would run differently from the model being trained: shapes, routing, RoPE, YaRN."""
+    ours = {field: getattr(args, field) for field, _ in HF_FIELDS.values() if hasattr(args, field)}
+    ours |= {"dense_hidden_dim": args.ffn_hidden_dim, "rope_interleave": True}  # titanlite rotates interleaved pairs only
+
+    def check(key: str, field: str, found, value, absent: bool) -> None:
+        if found != value:
+            fix = f"set {SET_ELSEWHERE[field]} to match" if field in SET_ELSEWHERE else f"set model.flavor_overrides {field}={found}"
+            if field == "rope_interleave":  # the layout DeepSeek's weights are in; the other would need them permuted
+                fix, field = "use the checkpoint saved with rope_interleave=true (DeepSeek's own)", ""
+            note = " (absent: transformers' default)" if absent else ""
+            raise ConfigError(
+                f"Hugging Face checkpoint '{folder}' has {key}={found}{note}, the model being trained "
+                f"{field + '=' if field else ''}{value}; {fix}, or choose the model.flavor it was made for"
+            )
+
+    for key, (field, default) in HF_FIELDS.items():
+        absent = key not in config
+        found = default if absent else 0 if key == "q_lora_rank" and config[key] is None else config[key]  # null: no query latent
+        check(key, field, found, ours[field], absent)
+    check("num_key_value_heads", "n_kv_heads", config.get("num_key_value_heads") or config["num_attention_heads"], args.n_kv_heads, False)
+    # DeepSeek's own key; transformers' DeepseekV3 routes by sigmoid whatever it says.
+    check("scoring_func", "score_func", config.get("scoring_func", "sigmoid"), args.score_func, "scoring_func" not in config)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    check("rope_theta", "rope_theta", 10000.0 if theta is None else theta, args.rope_theta, theta is None)
+    check_yarn(rope, config, args, folder, check)
+
+
+def check_yarn(rope: dict, config: dict, args: DeepSeekV3Args, folder: Path, check) -> None:
+    """YaRN's parameters as transformers reads them (modeling_rope_utils' _compute_yarn_parameters)."""
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ("default", "yarn"):
         raise ConfigError(
-            f"Hugging Face checkpoint '{folder}' applies YaRN with factor {found['yarn_factor']} at every length, and the model "
-            f"being trained {'with factor ' + str(args.yarn_factor) if args.yarn_on else 'none at this sequence length'}; to "
-            "train these weights as transformers runs them, set model.flavor_overrides yarn_always=true (and the file's factor)"
+            f"Hugging Face checkpoint '{folder}' has rope_scaling type {kind}, which titanlite's DeepSeek-V3 does not apply "
+            "(it has plain RoPE, or DeepSeek's YaRN); use a checkpoint with DeepSeek's rope_scaling"
         )
+    for key in ("attention_factor", "truncate"):
+        if rope.get(key) not in (None, True):
+            raise ConfigError(
+                f"Hugging Face checkpoint '{folder}' has rope_scaling.{key}={rope[key]}, which titanlite's YaRN does not take "
+                "(its cos/sin scale comes from mscale / mscale_all_dim, its ramp's ends are rounded out); remove it"
+            )
+    original = rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 4096)
+    factor = (rope.get("factor") or config.get("max_position_embeddings", 4096) / original) if kind == "yarn" else 1.0
+    check("rope_scaling.factor", "yarn_factor", factor, args.yarn_factor if args.yarn_on else 1.0, "factor" not in rope)
+    if not args.yarn_on:
+        return
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if all_dim and not mscale:
+        raise ConfigError(
+            f"Hugging Face checkpoint '{folder}' has mscale_all_dim={all_dim} in rope_scaling without mscale, which transformers "
+            "reads as YaRN's default scale on cos/sin, and titanlite's YaRN cannot express; add DeepSeek's mscale to rope_scaling"
+        )
+    # transformers takes mscale only beside mscale_all_dim: without it, cos/sin get YaRN's default (mscale 1), the softmax none.
+    found = {"original_max_position_embeddings": original, "beta_fast": rope.get("beta_fast") or 32,
+             "beta_slow": rope.get("beta_slow") or 1, "mscale_all_dim": all_dim or 0.0, "mscale": mscale if all_dim else 1.0}
+    for key, field in YARN_FIELDS.items():
+        check(f"rope_scaling.{key}", field, found[key], getattr(args, field), not rope.get(key))
 
 
 def iter_hf(folder: Path):
