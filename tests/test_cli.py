@@ -1,8 +1,11 @@
 """End to end through the real CLI: torchrun (and run_train.sh) -> metrics.jsonl, TensorBoard, the saved
 config; the same losses on 1 process and on parallel layouts; clear one-line errors; the dry run."""
 
+import contextlib
+import io
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -268,3 +271,132 @@ def test_debug_llama4_config_trains_with_a_falling_loss(tmp_path):
     assert [r["step"] for r in train] == [1, 5, 10, 15, 20]
     assert train[-1]["loss"] < train[0]["loss"] - 1.5, train
     assert "model llama4 debugmodel" in out.stdout
+
+
+# --help: in-process through parse_args (it prints and exits 0), and once through run_train.sh.
+KEY_LINE = re.compile(r"^[ *] --([\w.]+) = ")
+
+
+def help_of(*argv: str) -> str:
+    from titanlite.config import parse_args
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+        parse_args(list(argv))
+    assert stop.value.code == 0
+    return out.getvalue()
+
+
+def headers(text: str) -> list[str]:
+    return [line for line in text.splitlines() if re.fullmatch(r"\[[\w.]+\]", line)]
+
+
+def shown_keys(text: str) -> set[str]:
+    return {m.group(1) for line in text.splitlines() if (m := KEY_LINE.match(line))}
+
+
+def unimplemented() -> list[str]:
+    from titanlite.config import LEAVES
+
+    return [key for key, (f, _) in LEAVES.items() if f.metadata["not_implemented"]]
+
+
+def test_help_section_shows_that_section_only():
+    from titanlite.config import LEAVES
+
+    out = help_of("--help", "training")
+    assert headers(out) == ["[training]", "[training.dataloader]"], headers(out)
+    assert shown_keys(out) == {k for k in LEAVES if k.startswith("training.")}
+    quantize = help_of("--help", "quantize")  # nested sections; the MX ones hold unimplemented keys only
+    assert headers(quantize) == ["[quantize.linear.float8]", "[quantize.grouped_mm.float8]"], headers(quantize)
+    assert all(f"  {k}: " in quantize for k in unimplemented() if k.startswith("quantize.")), quantize
+
+
+def test_help_word_finds_keys_by_name_or_help_text_in_any_case():
+    from titanlite.config import LEAVES
+
+    for word in ("Pinned", "SEED"):
+        out = help_of("--help", word)
+        found = {k for k, (f, _) in LEAVES.items() if word.lower() in k.lower() or word.lower() in f.metadata["help"].lower()}
+        ni = {k for k in unimplemented() if k in found}
+        assert len(found) >= 2 and shown_keys(out) == found - ni, (word, out)
+        assert all(f"  {k}: " in out for k in ni)  # an unimplemented key with what to use instead
+    rdzv = help_of("--help", "rdzv")
+    assert "RDZV_ENDPOINT" in rdzv and "RDZV_ID" in rdzv and not shown_keys(rdzv) and not headers(rdzv)
+
+
+def test_help_for_an_unknown_word_is_one_line_listing_the_sections():
+    from titanlite.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--help", "zzqx"])
+    message = str(error.value)
+    assert "\n" not in message and "'zzqx'" in message and "sections: model, training, parallelism, checkpoint" in message
+
+
+def test_help_lists_the_environment_first():
+    out = help_of("--help")
+    lines = out.splitlines()
+    start, first_section = lines.index("Environment variables:"), lines.index("[model]")
+    block = "\n".join(lines[start:first_section])
+    script = (REPO / "run_train.sh").read_text()
+    own = set(re.findall(r"(\w+)=\$!", script))  # process ids the script records
+    read = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)(?::[-?+]|\})", script)) - own
+    assert {"NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "CONFIG_FILE", "COMM_MODE", "MAX_RESTARTS"} <= read
+    for name in read | {"TITANLITE_CACHE", "WANDB_PROJECT", "TORCHFT_LIGHTHOUSE"}:
+        assert re.search(rf"^  {name}\s+\S", block, re.MULTILINE), name
+    from titanlite.config.help import ENVIRONMENT
+
+    assert [name for name, _ in ENVIRONMENT] == re.findall(r"^  ([A-Z][A-Z0-9_]+)\s", block, re.MULTILINE)
+
+
+def test_help_sections_come_model_first_each_once_nested_after_their_parent():
+    from titanlite.config import LEAVES
+
+    found = [h.strip("[]") for h in headers(help_of("--help"))]
+    assert found[:5] == ["model", "training", "training.dataloader", "parallelism", "checkpoint"], found
+    assert len(found) == len(set(found)) and set(found) == {k.rsplit(".", 1)[0] for k in LEAVES if k not in unimplemented()}
+    tops = [s.split(".")[0] for s in found]
+    assert [t for i, t in enumerate(tops) if i == 0 or t != tops[i - 1]] == list(dict.fromkeys(tops))  # one run each
+    for i, section in enumerate(found):
+        parent = section.rsplit(".", 1)[0]
+        assert "." not in section or parent not in found or found.index(parent) < i, section
+
+
+def test_help_closes_with_the_unimplemented_keys_only_there():
+    out = help_of("--help")
+    head, _, tail = out.partition("\nNot implemented")
+    assert tail and not headers(tail) and not shown_keys(tail)
+    listed = set(re.findall(r"[\w.]+", tail.split(":\n", 1)[1]))
+    assert listed == set(unimplemented())
+    assert "[not implemented]" not in head and not any(f"--{k} " in head for k in unimplemented())
+
+
+def test_help_shows_the_config_files_values_and_marks_what_differs(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[training]\nsteps = 7\nseq_len = 512\n[model]\nflavor = "debugmodel_gqa"\n')
+    out = help_of("--job.config_file", str(toml), "--training.seq_len", "64", "--help", "training")
+    lines = out.splitlines()
+    assert any(line.startswith("* --training.steps = 7 ") for line in lines), out
+    assert any(line.startswith("* --training.seq_len = 64 ") for line in lines), out
+    assert "  --training.max_norm = 1.0" in lines and str(toml) in out
+    assert '* --model.flavor = "debugmodel_gqa"' in help_of("--job.config_file", str(toml), "--help", "model")
+
+
+def test_help_fits_100_columns(tmp_path):
+    stages = json.dumps([[f"layers.{i}" for i in range(s, s + 20)] for s in range(0, 80, 20)])
+    for argv in (["--help"], ["--job.config_file", "train_configs/llama3_405b.toml", "--help"],
+                 ["--parallelism.module_fqns_per_model_part", stages, "--help", "parallelism"]):
+        out = help_of(*argv)
+        assert max(len(line) for line in out.splitlines()) <= 100, [line for line in out.splitlines() if len(line) > 100][:3]
+
+
+def test_run_train_sh_help_shows_a_section_with_the_config_files_values():
+    import tomllib
+
+    env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_moe.toml", "PYTHON": sys.executable}
+    out = run_command(["./run_train.sh", "--help", "model", "--model.n_layers", "3"], timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr
+    assert headers(out.stdout) == ["[model]"], out.stdout
+    name = tomllib.loads((REPO / "train_configs" / "debug_moe.toml").read_text())["model"]["name"]
+    assert f'* --model.name = "{name}"' in out.stdout and "* --model.n_layers = 3 " in out.stdout

@@ -1,5 +1,5 @@
 """Reading a config: the TOML file, `--section.key value` overrides, coercion to each key's type,
-choices, and --help.
+choices, and --help (its text: help.py).
 
 Precedence: CLI `--section.key value` > TOML file (`--job.config_file`) > dataclass defaults.
 Bad input raises ConfigError, which the entry points turn into one line on stderr and exit code 2.
@@ -8,14 +8,15 @@ Bad input raises ConfigError, which the entry points turn into one line on stder
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 import typing
 
-from titanlite.config.keys import LEAVES, SECTIONS, check_key, closest, default_value, field_type, get, leaves
+from titanlite.config.help import help_text
+from titanlite.config.keys import LEAVES, SECTIONS, check_key, closest, default_value, field_type, get
 from titanlite.config.schema import JobConfig
 from titanlite.config.validation import validate
-from titanlite.config.writing import toml_value
 from titanlite.errors import ConfigError
 
 try:
@@ -154,12 +155,20 @@ def _split_cli(argv: list[str]) -> list[tuple[str, object]]:
     return pairs
 
 
+def _help_request(argv: list[str]) -> tuple[list[str], str | None]:
+    """(argv without `--help [WORD]`, WORD: '' for a bare --help; None without --help). WORD is the
+    argument after --help unless that is an override (--section.key)."""
+    at = next((i for i, arg in enumerate(argv) if arg in ("--help", "-h")), None)
+    if at is None:
+        return argv, None
+    word = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else ""
+    return argv[:at] + argv[at + 1 + bool(word):], word
+
+
 def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build the JobConfig from defaults, the TOML file named by --job.config_file, and CLI overrides."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        raise SystemExit(0)
+    """Build the JobConfig from defaults, the TOML file named by --job.config_file, and CLI overrides.
+    With --help [WORD]: print the help, showing the values they give, and exit 0."""
+    argv, query = _help_request(list(sys.argv[1:] if argv is None else argv))
     overrides = _split_cli(argv)
     config = JobConfig()
     config_files = [v for k, v in overrides if k == "job.config_file" and v]
@@ -167,6 +176,15 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     for key, value in [*from_file.items(), *overrides]:
         _assign(config, key, value)
     _tie_validation_to_training(config, from_file, {key for key, _ in overrides})
+    if query is not None:  # before validate: the help shows a config that is not consistent yet too
+        given = [str(config_files[-1])] if config_files else []
+        given += ["the command line's overrides"] if any(k != "job.config_file" for k, _ in overrides) else []
+        text = help_text(config, query, " with ".join(given))
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # `--help | head` stopped reading: no traceback, and none at exit's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
     validate(config)
     return config
 
@@ -183,30 +201,3 @@ def _tie_validation_to_training(config: JobConfig, from_file: dict, from_cli: se
         tied_in_file = from_file.get(key, default_value(LEAVES[key][0])) == from_file.get(training_key, default_value(LEAVES[training_key][0]))
         if key not in from_cli and (key not in from_file or tied_in_file):
             setattr(config.validation, name, getattr(config.training, name))
-
-
-def help_text() -> str:
-    lines = [
-        "usage: ./run_train.sh [--section.key value ...]   (or: python -m titanlite.train --job.config_file FILE ...)",
-        "",
-        "The schema is TorchTitan v0.2.2's JobConfig. Every key can be set in the TOML file ([section] key = value;",
-        "nested sections as [quantize.linear.float8]) or on the command line (--section.key value, --section.key=value;",
-        "booleans also as a bare --section.key or --section.no_key; lists comma-separated, nested lists as JSON).",
-        "CLI wins over TOML, TOML wins over the defaults below.",
-        "Marks: [not implemented] a TorchTitan key accepted only at its default; [titanlite] a key TorchTitan lacks.",
-    ]
-    current = None
-    for key, f, _ in leaves():
-        section_name, name = key.rsplit(".", 1)
-        if section_name != current:
-            lines.append(f"\n[{section_name}]")
-            current = section_name
-        default = default_value(f)
-        meta = f.metadata
-        marks = "[not implemented] " if meta["not_implemented"] else "[titanlite] " if meta["extension"] else ""
-        choices = [c for c in meta["choices"] or () if c not in meta["unsupported"]]
-        extra = f" (one of: {', '.join('none' if c is None else c for c in choices)})" if choices else ""
-        instead = f"; {meta['not_implemented']}" if meta["not_implemented"] else ""
-        lines.append(f"  --{key} = {toml_value(default) if default is not None else 'none'}")
-        lines.append(f"      {marks}{meta['help']}{extra}{instead}")
-    return "\n".join(lines)
