@@ -93,6 +93,8 @@ CASES = {  # name: (arguments given the bad files, words of the line)
     "parquet_that_is_text": (lambda f: ["--training.dataset", str(f["text_as_parquet"])], "is not a parquet file"),
     "binary_txt_folder": (lambda f: ["--training.dataset_path", str(f["binary_txt"].parent)], "doc.txt' is not UTF-8 text"),
     "dump_folder_under_a_file": (lambda f: ["--job.dump_folder", str(f["a_file"] / "run")], "cannot be created or written (Not a directory"),
+    "checkpoint_folder_a_file": (lambda f: ["--checkpoint.enable", "--checkpoint.folder", str(f["a_file"])],
+                                 "a_file' is a file, not a folder; set checkpoint.folder to a folder you can write"),
     "config_file_not_text": (lambda f: ["--job.config_file", str(f["binary_jsonl"])], "binary.jsonl' is not valid TOML"),
     "config_file_a_folder": (lambda f: ["--job.config_file", str(f["a_file"].parent)], "cannot be read (Is a directory)"),
     "hf_weights_truncated": (lambda f: ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(f["hf_truncated"].parent)],
@@ -126,7 +128,7 @@ CASES = {  # name: (arguments given the bad files, words of the line)
     "l4_top_k_above_experts": (lambda f: [*L4, "--model.flavor_overrides", "top_k=9"], "top_k=9 of num_experts=8"),
 }
 # What only the files decide: each also stops every rank of a plain torchrun, before training.
-RANK_CASES = ["tokenizer_not_json", "binary_dataset", "dump_folder_under_a_file", "negative_load_balance_coeff"]
+RANK_CASES = ["tokenizer_not_json", "binary_dataset", "dump_folder_under_a_file", "checkpoint_folder_a_file", "negative_load_balance_coeff"]
 
 
 def test_bad_inputs_stop_run_train_sh_in_one_line(tmp_path):
@@ -231,6 +233,15 @@ def test_preflight_checks_each_input_class_itself(preflight_inputs, tmp_path):
         (1, ["--training.dataset", str(files["binary_jsonl"])], "is binary, not text"),  # dataset files
         (1, ["--validation.enable", "true", "--validation.dataset", str(files["empty_jsonl"])], "is empty"),
         (1, ["--job.dump_folder", str(files["a_file"] / "run")], "cannot be created or written"),  # dump folder
+        # the folders the run writes into inside the dump folder, each where the run writes it
+        (1, ["--checkpoint.enable", "--checkpoint.folder", str(files["a_file"] / "ckpt")], "a_file' is a file, not a folder; set checkpoint.folder"),
+        (1, ["--checkpoint.create_seed_checkpoint", "--checkpoint.enable", "--checkpoint.folder", str(files["a_file"])],
+         "set checkpoint.folder"),
+        (1, ["--metrics.enable_tensorboard", "--metrics.save_tb_folder", str(files["a_file"])], "a_file' is a file, not a folder; set metrics.save_tb_folder"),
+        (1, ["--profiling.enable_profiling", "--profiling.save_traces_folder", str(files["a_file"])], "set profiling.save_traces_folder"),
+        (1, ["--profiling.enable_memory_snapshot", "--profiling.save_memory_snapshot_folder", str(files["a_file"])],
+         "set profiling.save_memory_snapshot_folder"),
+        (1, ["--comm.save_traces_folder", str(files["a_file"])], "set comm.save_traces_folder"),  # the flight recorder's, on by default
         (1, ["--checkpoint.initial_load_path", str(tmp_path / "nowhere")], "holds no complete DCP checkpoint"),  # checkpoint
         (1, ["--checkpoint.enable", "--checkpoint.load_step", "3"], "load_step=3 has no complete checkpoint"),
         (1, ["--checkpoint.enable", "--job.dump_folder", str(damaged.parent.parent)], "checkpoint step 3 is damaged (its shard file"),

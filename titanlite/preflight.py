@@ -2,7 +2,9 @@
 (run_train.sh runs it with WORLD_SIZE set). Bad input ends here, as one line and exit code 2:
 the schema (titanlite/config/), the layout for WORLD_SIZE ranks, the model's shapes against it, the batch
 sizes, the pipeline split, and the run's files: the tokenizer (read), the dataset files (their
-format sniffed), the dump folder (written) and the checkpoint to load (its metadata and shard files).
+format sniffed), the dump folder (written), the folders the run writes into (checkpoints,
+TensorBoard, traces, snapshots: none of them a file) and the checkpoint to load (its metadata and
+shard files).
 Every rank runs the same checks before it joins the process group (train.main), so a bad input
 stops all ranks alike, none of them inside a collective. Torch is imported only when there is a
 pipeline to check (its schedule classes) or a checkpoint to load (DCP's metadata classes)."""
@@ -14,9 +16,11 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 from titanlite.checkpoint.paths import checkpoint_folder, checkpoint_to_load
 from titanlite.config import JobConfig, parse_args
+from titanlite.config.keys import LEAVES, default_value, get
 from titanlite.errors import ConfigError
 from titanlite.data.sources import split_source
 from titanlite.data.tokenizer import build_tokenizer
@@ -46,6 +50,8 @@ def check(config: JobConfig, world_size: int) -> None:
     if config.dry_run:
         return  # writes nothing, reads no data and loads no checkpoint
     check_writable_folder(config.job.dump_folder)
+    for key, folder in output_folders(config):
+        check_folder_path(config, key, folder)
     if config.checkpoint.create_seed_checkpoint:
         return  # reads no data and loads no checkpoint
     split_source(config, "train")
@@ -56,6 +62,35 @@ def check(config: JobConfig, world_size: int) -> None:
         from titanlite.checkpoint.reader import check_checkpoint_files  # imports torch (DCP's metadata classes)
 
         check_checkpoint_files(found[0], checkpoint_folder(config), own=found[1])
+
+
+def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
+    """(key, folder) of each folder the run will write into besides the dump folder, resolved as the
+    trainer resolves it (inside job.dump_folder; an absolute name stands alone)."""
+    m, p, c = config.metrics, config.profiling, config.checkpoint
+    wanted = [
+        ("checkpoint.folder", c.enable or c.create_seed_checkpoint),
+        ("metrics.save_tb_folder", m.enable_tensorboard),
+        ("profiling.save_traces_folder", p.enable_profiling),
+        ("profiling.save_memory_snapshot_folder", p.enable_memory_snapshot),
+        ("comm.save_traces_folder", config.comm.trace_buf_size > 0),  # NCCL's flight recorder, dumped on a timeout
+    ]
+    return [(key, Path(config.job.dump_folder) / get(config, key)) for key, on in wanted if on]
+
+
+def check_folder_path(config: JobConfig, key: str, folder: Path) -> None:
+    """No part of `folder` is a file and its nearest existing folder is writable. Nothing is created:
+    some of these folders appear only on GPUs, or at a timeout."""
+    for part in [folder, *folder.parents]:
+        if not part.exists():
+            continue
+        why = "is a file, not a folder" if not part.is_dir() else "is not writable" if not os.access(part, os.W_OK | os.X_OK) else ""
+        if why:
+            raise ConfigError(
+                f"{key}='{get(config, key)}': the run writes into '{folder}', and '{part}' {why}; set {key} to a folder "
+                f"you can write (default '{default_value(LEAVES[key][0])}', inside job.dump_folder)"
+            )
+        return
 
 
 def check_wandb_installed() -> None:
