@@ -32,20 +32,21 @@ def our_args(variant: str, **overrides):
     return replace(model_args("llama4", "debugmodel", VOCAB, SEQ_LEN), **SHAPE | VARIANTS[variant] | overrides)
 
 
-def hf_config(variant: str) -> "transformers.Llama4TextConfig":
+def hf_config(variant: str, **overrides) -> "transformers.Llama4TextConfig":
     """transformers' config of a variant's shapes, written out apart from the mapping under test."""
     v = VARIANTS[variant]
     rope = {"rope_type": "default", "rope_theta": 500000.0}
     if v["rope_scaling"]:
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": v["rope_scaling_factor"], "low_freq_factor": 1.0,
                 "high_freq_factor": v["rope_high_freq_factor"], "original_max_position_embeddings": 8192}
-    return transformers.Llama4TextConfig(
+    settings = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=v["top_k"],
         interleave_moe_layer_step=v["interleave_moe_layer_step"], no_rope_layer_interval=4, attention_chunk_size=16,
         use_qk_norm=v["use_qk_norm"], attn_temperature_tuning=True, floor_scale=8, attn_scale=0.1,
         rope_parameters=rope, max_position_embeddings=SEQ_LEN, rms_norm_eps=1e-5, initializer_range=0.1,
     )
+    return transformers.Llama4TextConfig(**(settings | overrides))
 
 
 def tokens():
@@ -126,6 +127,56 @@ def test_transformers_model_imports_with_its_logits(variant, tmp_path):
         expected = reference(tokens()).logits
     assert logits.dtype == torch.float32
     print(f"{variant}: import, max logit difference {max_difference(logits, expected):.2e}")
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+# Meta's Llama 4 Scout config.json: Llama 3.1's scaling with factor 16 and no blend band (both factors 1).
+SCOUT_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+              "original_max_position_embeddings": 8192}
+
+
+def scout_rope(args):
+    """`args` with the RoPE of titanlite's Scout flavor (the code under test), not values written here."""
+    scout = FAMILIES["llama4"].flavors["17bx16e"]
+    return replace(args, rope_theta=scout.rope_theta, rope_scaling=scout.rope_scaling, rope_scaling_factor=scout.rope_scaling_factor,
+                   rope_high_freq_factor=scout.rope_high_freq_factor)
+
+
+@pytest.mark.parametrize("head_dim", [128, 16])  # Scout's heads, and the small model's below
+def test_scout_rope_frequencies_are_transformers_for_scouts_rope_scaling(head_dim):
+    """The angle of the RoPE table's row 1 is each frequency: transformers' llama3 RoPE init for Scout's
+    rope_scaling, kept under 8192 positions of wavelength and 16 times slower over."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from titanlite.models.common.rope import rope_cache
+
+    args = scout_rope(replace(our_args("plain_rope_top2"), dim=4 * head_dim, n_heads=4, head_dim_override=head_dim))
+    config = transformers.Llama4TextConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                           rope_parameters=dict(SCOUT_ROPE))
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    assert attention_factor == 1.0 and (2 * torch.pi / expected > 8192).any()  # some frequencies are slowed
+    table = rope_cache(args, 2)
+    torch.testing.assert_close(torch.atan2(table[1, head_dim // 2 :], table[1, : head_dim // 2]), expected, rtol=2e-6, atol=0)
+
+
+def test_scout_rope_imports_with_transformers_logits_over_a_long_window(tmp_path):
+    """At 48 tokens in chunks of 16 Scout's slowed frequencies hardly turn (a factor of 8 instead of 16
+    moves the logits 1e-4): here one chunk of 2048 tokens (where factor 8 moves them 0.66), with Scout's
+    RoPE taken from its flavor and transformers' from Meta's config: the same logits (fp32, 1e-4)."""
+    from titanlite.models.hf import load_hf
+    from titanlite.models.llama4.model import Llama4Transformer
+
+    seq_len = 2048
+    torch.manual_seed(0)
+    reference = transformers.Llama4ForCausalLM(hf_config("qk_norm_scaled_rope", attention_chunk_size=seq_len,
+                                                         max_position_embeddings=seq_len, rope_parameters=dict(SCOUT_ROPE))).eval()
+    reference.save_pretrained(str(tmp_path / "hf"))
+    ours = Llama4Transformer(scout_rope(our_args("qk_norm_scaled_rope", attention_chunk_size=seq_len, max_seq_len=seq_len))).eval()
+    ours.load_state_dict(load_hf(tmp_path / "hf"))
+    window = torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, expected = ours(window), reference(window).logits
+    print(f"Scout RoPE over {seq_len} tokens: max logit difference {max_difference(logits, expected):.2e}")
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
