@@ -125,6 +125,8 @@ CASES = {  # name: (arguments given the bad files, words of the line)
     "l4_interleave_step_zero": (lambda f: [*L4, "--model.flavor_overrides", "interleave_moe_layer_step=0"],
                                 "interleave_moe_layer_step=0 must be >= 1"),
     "l4_weighted_qk_norm": (lambda f: [*L4, "--model.flavor_overrides", "qk_norm=true"], "qk_norm=true (Qwen3's q/k head norms with weights) is not part of Llama 4"),
+    "n_heads_not_dividing_dim": (lambda f: ["--model.flavor_overrides", "n_heads=7"],
+                                 "model.flavor_overrides=['n_heads=7']: n_heads=7 must divide dim=256"),
     "l4_top_k_above_experts": (lambda f: [*L4, "--model.flavor_overrides", "top_k=9"], "top_k=9 of num_experts=8"),
 }
 # What only the files decide: each also stops every rank of a plain torchrun, before training.
@@ -273,3 +275,98 @@ def test_the_rank_checks_the_dump_folder_before_joining_the_group(tmp_path, corp
     out = run_command([sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "a_file" / "run")], cwd=REPO)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr[-2000:]
     assert "job.dump_folder=" in out.stderr and "cannot be created or written" in out.stderr
+
+
+def tiny_llama_hf(folder: Path, vocab: int, **change) -> Path:
+    """transformers' Llama at debugmodel's shapes with 2 blocks, saved as a Hugging Face folder; `change`:
+    tensors (Hugging Face names) replaced in the file, config.json left as it is."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=16,
+                                      num_key_value_heads=16, vocab_size=vocab, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, **{k: f(tensors[k]) for k, f in change.items()}}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+UP = "model.layers.1.mlp.up_proj.weight"
+HF_CASES = {  # what is wrong: (the tensor's change, words of the line)
+    "wrong_shape": (lambda t: t[:700], f"tensor {UP} gives layers.1.feed_forward.w3.weight shape [700, 256], the model being trained [768, 256]"),
+    "nan": (lambda t: t.index_put_((t.new_tensor([3], dtype=int), t.new_tensor([5], dtype=int)), t.new_tensor([float("nan")])),
+            f"tensor {UP} (torch.float32) holds NaN or infinity"),
+    "integer": (lambda t: t.to(int), "a torch.int64 (not floating point) tensor"),
+}
+
+
+@pytest.mark.parametrize("name", ["wrong_shape", "nan"])
+def test_hugging_face_weights_that_disagree_stop_run_train_sh_in_one_line(name, tmp_path):
+    change, words = HF_CASES[name]
+    folder = tiny_llama_hf(tmp_path / "hf", 8192, **{UP: change})  # the bundled tokenizer's 8192 tokens
+    out = run_train_sh(["--job.dump_folder", str(tmp_path / "run"), "--model.n_layers", "2", "--training.steps", "1",
+                        "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder)])
+    assert_one_line(out, words)
+    assert "model.safetensors'" in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_hugging_face_tensor_checks_name_the_tensor_and_its_file(name, tmp_path):
+    from titanlite.checkpoint.hf import read_hf_config
+    from titanlite.config import ConfigError
+    from titanlite.models import model_args
+    from titanlite.models.llama3 import hf as llama3_hf
+
+    change, words = HF_CASES[name]
+    folder = tiny_llama_hf(tmp_path / "hf", 320, **{UP: change})
+    args = model_args("llama3", "debugmodel", 259, 64, n_layers=2)  # the byte tokenizer's vocabulary, padded to 320
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        llama3_hf.check_hf_shapes(read_hf_config(folder)[0], args, folder)
+        dict(llama3_hf.iter_hf(folder))  # the values: read when the weights load
+    assert str(folder / "model.safetensors") in str(e.value)
+    llama3_hf.check_hf_shapes(read_hf_config(folder)[0], args, tiny_llama_hf(tmp_path / "good", 320))  # the unchanged file passes
+
+
+OVERRIDES = [  # (model.name, flavor, model.flavor_overrides, words of the rule)
+    ("llama3", "debugmodel", "n_heads=7", "n_heads=7 must divide dim=256"),
+    ("llama3", "debugmodel_gqa", "n_kv_heads=3", "n_kv_heads=3 must divide n_heads=16"),
+    ("llama3", "debugmodel", "dim=0", "dim=0 must be > 0"),
+    ("llama3", "debugmodel", "n_heads=-4", "n_heads=-4 must be > 0"),
+    ("llama3", "debugmodel", "dim=264,n_heads=8,n_kv_heads=8", "the head dim 33 (n_heads=8, dim=264) must be even"),
+    ("llama3", "debugmodel", "ffn_dim_multiplier=-1", "ffn_dim_multiplier=-1.0 must be > 0"),
+    ("llama3", "debugmodel", "norm_eps=0", "norm_eps=0.0 must be > 0"),
+    ("llama3", "debugmodel", "head_dim_override=-2", "head_dim_override=-2 must be >= 0"),
+    ("moe", "debugmoe", "top_k=9", "top_k=9 of num_experts=8"),
+    ("moe", "debugmoe", "top_k=0", "top_k=0 of num_experts=8"),
+    ("moe", "debugmoe", "num_experts=0", "num_experts=0 must be > 0"),
+    ("moe", "debugmoe", "moe_hidden_dim=-8", "moe_hidden_dim=-8 must be > 0"),
+    ("moe", "debugmoe", "num_shared_experts=-1", "num_shared_experts=-1 must be >= 0"),
+    ("moe", "debugmoe", "score_func=relu", "score_func='relu' must be softmax or sigmoid"),
+    ("deepseek_v3", "debugmodel", "n_group=3", "n_group=3 must divide num_experts=8"),
+    ("deepseek_v3", "debugmodel", "topk_group=5", "topk_group=5 must be between 1 and n_group=4"),
+    ("deepseek_v3", "debugmodel", "q_lora_rank=-1", "q_lora_rank=-1 must be >= 0"),
+    ("deepseek_v3", "debugmodel", "v_head_dim=0", "v_head_dim=0 must be > 0"),
+    ("deepseek_v3", "debugmodel", "mtp_depth=-1", "mtp_depth=-1 must be >= 0"),
+    ("llama4", "debugmodel", "interleave_moe_layer_step=0", "interleave_moe_layer_step=0 must be >= 1"),
+    ("llama4", "debugmodel", "n_kv_heads=5", "n_kv_heads=5 must divide n_heads=16"),
+]
+
+
+@pytest.mark.parametrize("name, flavor, overrides, words", OVERRIDES, ids=[o[2] for o in OVERRIDES])
+def test_flavor_overrides_obey_the_rules_the_flavors_do(name, flavor, overrides, words):
+    from titanlite.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=re.escape(f"model.flavor_overrides={overrides.split(',')}: ") + ".*" + re.escape(words)):
+        parse_args(["--model.name", name, "--model.flavor", flavor, "--model.flavor_overrides", overrides])
+
+
+def test_every_flavor_passes_the_shape_rules_and_mla_heads_need_not_split_dim():
+    from titanlite.config import parse_args
+    from titanlite.models import FAMILIES
+
+    for name, family in FAMILIES.items():
+        for flavor in family.flavors:
+            parse_args(["--model.name", name, "--model.flavor", flavor])
+    parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.flavor_overrides", "n_heads=12,n_kv_heads=12"])

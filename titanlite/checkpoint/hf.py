@@ -80,14 +80,62 @@ def check_hf_files(folder: Path) -> None:
             ) from None
 
 
+class HeadersOnly(type(Path())):  # Path's concrete class: Python 3.11 cannot subclass Path itself
+    """A Hugging Face folder whose tensors hf_tensors gives as meta tensors of the files' shapes and
+    dtypes, reading no data: a family's mapping (iter_hf) then runs through it in moments. `read`:
+    the name and file of the tensor given last, which a shape that does not fit is blamed on."""
+
+    read: tuple[str, Path] | None = None
+
+
 def hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) of every weight in a folder, one tensor in memory at a time."""
+    """(Hugging Face name, tensor) of every weight in a folder, one tensor in memory at a time; a
+    tensor that is not floating point or holds NaN or infinity stops the run in one line naming it
+    and its file (it would train, and its first step would blame the learning rate)."""
     from safetensors import safe_open
 
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                if isinstance(folder, HeadersOnly):
+                    part = f.get_slice(key)
+                    folder.read = key, path
+                    yield key, torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES.get(part.get_dtype(), torch.int64), device="meta")
+                    continue
+                t = f.get_tensor(key)
+                bad = "is not floating point" if not t.dtype.is_floating_point else "" if torch.isfinite(
+                    t if t.dtype.itemsize > 1 else t.float()).all() else "holds NaN or infinity"  # float8: no isfinite
+                if bad:
+                    raise ConfigError(f"Hugging Face weights '{path}': tensor {key} ({t.dtype}) {bad}; the file is damaged "
+                                      "or not these model weights: copy it again from its source")
+                yield key, t
+
+
+# safetensors' dtype names of the floating types (any other reads as int64: not floating point).
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def check_hf_tensors(iter_hf: Callable, folder: Path, build: Callable, args) -> None:
+    """Every tensor a family's mapping (`iter_hf`) takes from a Hugging Face folder is floating point
+    and has the shape of the parameter it loads into (of `build(args)` on the meta device), checked
+    from the files' headers before any weight is read; ConfigError naming the tensor and its file."""
+    with torch.device("meta"):
+        expected = dict(build(args).named_parameters())
+    headers = HeadersOnly(folder)
+    try:
+        for name, t in iter_hf(headers):
+            key, path = headers.read
+            if name in expected and (tuple(t.shape) != tuple(expected[name].shape) or not t.dtype.is_floating_point):
+                found = f"shape {list(t.shape)}" if t.dtype.is_floating_point else f"a {t.dtype} (not floating point) tensor"
+                raise ConfigError(
+                    f"Hugging Face weights '{path}': tensor {key} gives {name} {found}, the model being trained "
+                    f"{list(expected[name].shape)}; use the checkpoint of this model.flavor (and model.flavor_overrides)"
+                )
+    except RuntimeError as e:  # a tensor the mapping cannot even reshape (a head split, experts stacked)
+        key, path = headers.read
+        raise ConfigError(f"Hugging Face weights '{path}': tensor {key} does not fit the model being trained "
+                          f"({str(e).splitlines()[0]}); use the checkpoint of this model.flavor") from None
 
 
 def check_config_values(config: dict, expected: dict, folder: Path) -> None:

@@ -156,6 +156,47 @@ class MoEArgs(ModelArgs):
         return self.dim + self.dim * self.num_experts + experts * 3 * self.dim * self.moe_hidden_dim  # + router
 
 
+def check_shapes(args: ModelArgs, heads_from_dim: bool = True) -> None:
+    """Shapes no model can have, whatever the layout (every flavor obeys these; model.flavor_overrides
+    can break them). `heads_from_dim`: attention heads split dim (not MLA's, whose heads have sizes of
+    their own)."""
+    sizes = ["dim", "n_heads", "n_kv_heads", "multiple_of", "norm_eps", "rope_theta"]
+    counts = ["head_dim_override"]
+    if isinstance(args, MoEArgs):
+        sizes += ["num_experts", "moe_hidden_dim", "route_scale"]
+        counts += ["num_shared_experts", "n_dense_layers", "dense_hidden_dim"]
+    for name in sizes:
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"{name}={getattr(args, name)} must be > 0")
+    for name in counts:
+        if getattr(args, name) < 0:
+            raise ConfigError(f"{name}={getattr(args, name)} must be >= 0 (0: none, or the default)")
+    if args.ffn_dim_multiplier is not None and args.ffn_dim_multiplier <= 0:
+        raise ConfigError(f"ffn_dim_multiplier={args.ffn_dim_multiplier} must be > 0 (or none)")
+    if heads_from_dim:
+        if not args.head_dim_override and args.dim % args.n_heads:
+            raise ConfigError(f"n_heads={args.n_heads} must divide dim={args.dim}: each head is dim / n_heads wide "
+                              "(or set head_dim_override)")
+        if args.n_heads % args.n_kv_heads:
+            raise ConfigError(f"n_kv_heads={args.n_kv_heads} must divide n_heads={args.n_heads}: each kv head serves "
+                              "n_heads / n_kv_heads query heads")
+        if args.head_dim % 2:
+            raise ConfigError(f"the head dim {args.head_dim} (n_heads={args.n_heads}, dim={args.dim}) must be even: RoPE "
+                              "rotates pairs")
+    if isinstance(args, MoEArgs) and args.score_func not in ("softmax", "sigmoid"):
+        raise ConfigError(f"score_func='{args.score_func}' must be softmax or sigmoid")
+
+
+def check_overridden(model, args: ModelArgs, *checks) -> None:
+    """The family's shape `checks` on the flavor as model.flavor_overrides changes it (`model`: the
+    config's Model section): the flavors pass them, so a rule broken is the overrides'."""
+    try:
+        for check in checks:
+            check(args)
+    except ConfigError as e:
+        raise ConfigError(f"model.flavor_overrides={model.flavor_overrides}: {e}") from None
+
+
 # Fields the config sets through keys of their own.
 SET_ELSEWHERE = {
     "max_seq_len": "training.seq_len", "n_layers": "model.n_layers", "vocab_size": "model.hf_assets_path (the tokenizer)",

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from titanlite.errors import ConfigError
-from titanlite.models.common.args import MoEArgs
+from titanlite.models.common.args import MoEArgs, check_overridden
 from titanlite.models.moe.args import check_config as check_moe_config
 from titanlite.models.moe.args import check_moe
 
@@ -139,6 +139,11 @@ def check_deepseek_v3(args: DeepSeekV3Args, dims) -> None:
 
 def check_shapes(args: DeepSeekV3Args) -> None:
     """MLA and routing shapes that cannot work, whatever the layout."""
+    for name in ("q_lora_rank", "qk_nope_head_dim", "mtp_depth", "mtp_loss_weight"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"{name}={getattr(args, name)} must be >= 0 (q_lora_rank 0: no query latent)")
+    if args.v_head_dim <= 0:
+        raise ConfigError(f"v_head_dim={args.v_head_dim} must be > 0 (DeepSeek's: 128)")
     if args.kv_lora_rank <= 0:
         raise ConfigError(
             f"DeepSeek-V3's multi-head latent attention needs kv_lora_rank > 0 (got {args.kv_lora_rank}): keys and "
@@ -171,6 +176,6 @@ def check_hf_exportable(args: DeepSeekV3Args) -> None:
 
 
 def check_config(model, args: DeepSeekV3Args) -> None:
-    """The MoE family's [model] keys and routing shapes, and MLA's shapes."""
-    check_moe_config(model, args)
-    check_shapes(args)
+    """The MoE family's [model] keys and routing shapes (heads of their own sizes), and MLA's shapes."""
+    check_moe_config(model, args, heads_from_dim=False)
+    check_overridden(model, args, check_shapes)

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from titanlite.errors import ConfigError
-from titanlite.checkpoint.hf import SHARD_BYTES, dequantized, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, check_hf_tensors, dequantized, hf_tensors, read_hf_config, write_shards
 from titanlite.models.common.args import SET_ELSEWHERE
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args, check_hf_exportable
+from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.moe.hf import EXPERT_NAMES, HF_EXPERT_NAMES
 
@@ -157,6 +158,7 @@ def check_hf_shapes(config: dict, args: DeepSeekV3Args, folder: Path) -> None:
     theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
     check("rope_theta", "rope_theta", 10000.0 if theta is None else theta, args.rope_theta, theta is None)
     check_yarn(rope, config, args, folder, check)
+    check_hf_tensors(iter_hf, folder, DeepSeekV3Transformer, args)
 
 
 def check_yarn(rope: dict, config: dict, args: DeepSeekV3Args, folder: Path, check) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from titanlite.errors import ConfigError
-from titanlite.models.common.args import ModelArgs, check_heads
+from titanlite.models.common.args import ModelArgs, check_heads, check_overridden, check_shapes
 
 # Meta's published shapes (Llama 3.1); debugmodel follows TorchTitan's, with the tokenizer's vocab.
 LLAMA3_FLAVORS = {
@@ -51,7 +51,9 @@ EXPERT_KEYS = ("moe_grouped_mm", "moe_load_balance_coeff", "moe_aux_loss_coeff",
 
 
 def check_config(model, args: ModelArgs) -> None:
-    """The [model] keys of experts stay at their defaults (`model`: the config's Model section)."""
+    """The shapes (`args`: the flavor's, as model.flavor_overrides changes them), and the [model] keys
+    of experts stay at their defaults (`model`: the config's Model section)."""
+    check_overridden(model, args, check_shapes)
     defaults = type(model)()
     for name in EXPERT_KEYS:
         value = getattr(model, name)

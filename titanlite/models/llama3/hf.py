@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, check_hf_tensors, hf_tensors, read_hf_config, write_shards
 from titanlite.models.common.args import ModelArgs
+from titanlite.models.llama3.model import Transformer
 
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -130,6 +131,7 @@ def save_hf(read, sizes: dict[str, int], args: ModelArgs, folder: Path, dtype: t
 def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
     """ConfigError naming the first config.json value that differs from the model being trained."""
     check_config_values(config, expected_config(args, config), folder)
+    check_hf_tensors(iter_hf, folder, Transformer, args)
 
 
 def iter_hf(folder: Path):

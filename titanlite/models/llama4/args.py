@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlite.errors import ConfigError
-from titanlite.models.common.args import MoEArgs
+from titanlite.models.common.args import MoEArgs, check_overridden
 from titanlite.models.moe.args import check_config as check_moe_config
 from titanlite.models.moe.args import check_moe
 
@@ -136,5 +136,5 @@ def check_llama4(args: Llama4Args, dims) -> None:
 
 def check_config(model, args: Llama4Args) -> None:
     """The MoE family's [model] keys and routing shapes, and Llama 4's shapes."""
-    check_shapes(args)
+    check_overridden(model, args, check_shapes)
     check_moe_config(model, args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from titanlite.errors import ConfigError
-from titanlite.models.common.args import MoEArgs, check_heads
+from titanlite.models.common.args import MoEArgs, check_heads, check_overridden, check_shapes
 
 # Published shapes. Qwen3-MoE: GQA with q/k head norms, softmax top-8 of 128 experts renormalized, no
 # shared experts, balanced by Qwen's global-batch aux loss (coefficient 0.001) and no expert bias (Qwen's config.json). DeepSeek-MoE 16B: standard multi-head attention, 64 routed
@@ -109,10 +109,11 @@ def check_hf_exportable(args: MoEArgs) -> None:
         )
 
 
-def check_config(model, args: MoEArgs) -> None:
-    """The [model] keys of this family's own (`model`: the config's Model section), and the routing
-    shapes (`args`: the flavor's, as model.flavor_overrides changes them)."""
-    check_groups(args)
+def check_config(model, args: MoEArgs, heads_from_dim: bool = True) -> None:
+    """The [model] keys of this family's own (`model`: the config's Model section), and the shapes
+    (`args`: the flavor's, as model.flavor_overrides changes them; `heads_from_dim`: common/args.py's
+    check_shapes)."""
+    check_overridden(model, args, lambda a: check_shapes(a, heads_from_dim), check_groups)
     for name in ("moe_load_balance_coeff", "moe_aux_loss_coeff"):
         value = getattr(model, name)
         if value is not None and value < 0:

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, check_hf_tensors, hf_tensors, read_hf_config, write_shards
 from titanlite.errors import ConfigError
 from titanlite.models.common.args import MoEArgs
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.moe.args import check_hf_exportable
+from titanlite.models.moe.model import MoETransformer
 
 LAYER_NAMES = llama3_hf.LAYER_NAMES | {"feed_forward.router.gate.weight": "mlp.gate.weight"}
 HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
@@ -81,6 +82,7 @@ def check_hf_shapes(config: dict, args: MoEArgs, folder: Path) -> None:
         "decoder_sparse_step": (1, 1),  # every block from n_dense_layers on is a MoE block
     }
     check_config_values(config | {"num_experts": num_experts(config)}, expected, folder)
+    check_hf_tensors(iter_hf, folder, MoETransformer, args)
 
 
 def iter_hf(folder: Path):
