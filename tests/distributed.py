@@ -3,7 +3,8 @@
 Each rank is a spawned process with its own process group on a free port. A rank's return value
 comes back to the test; a rank's exception fails the test with that rank's traceback. Ranks end
 with barrier + destroy_process_group + os._exit(0), which avoids gloo's flaky abort at interpreter
-exit (docs/architecture.md, "gloo on CPU").
+exit (docs/architecture.md, "gloo on CPU"). Starting the ranks (python, torch, titanlite imports) costs
+seconds on 2 cores, so tests of one module that need the same world size share a launch (run_calls).
 """
 
 from __future__ import annotations
@@ -77,3 +78,20 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
         codes = {r: p.exitcode for r, p in enumerate(procs)}
         raise AssertionError(f"distributed test: only ranks {sorted(outcomes)} reported (timeout or crash); exit codes {codes}")
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def _calls(calls: list[tuple]) -> list:
+    results = []
+    for number, (fn, *args) in enumerate(calls, 1):
+        try:
+            results.append(fn(*args))
+        except Exception as e:
+            raise RuntimeError(f"{fn.__name__}{tuple(args)} failed (call {number} of {len(calls)} in this launch)") from e
+    return results
+
+
+def run_calls(world_size: int, calls: list[tuple], timeout: float = 600.0) -> list[list]:
+    """Each (fn, *args) of `calls` on every rank, in order, in one launch; returns each call's values
+    in rank order. A call's exception fails the whole launch, naming that call."""
+    per_rank = run_distributed(_calls, world_size, calls, timeout=timeout)
+    return [[values[i] for values in per_rank] for i in range(len(calls))]

@@ -4,7 +4,7 @@ the next block's expert all-gather with its own. Their losses and gradients are 
 
 import pytest
 
-from distributed import run_distributed
+from distributed import run_calls
 
 
 def _experts_units(num_experts: int, ep: int = 2, param_dtype: str = "float32") -> tuple:
@@ -31,12 +31,22 @@ def _experts_units(num_experts: int, ep: int = 2, param_dtype: str = "float32") 
     return placements, prefetch
 
 
+UNIT_LAYOUTS = [(2,), (4,), (8, 4), (8, 4, "bfloat16")]  # _experts_units' arguments
+
+
+@pytest.fixture(scope="module")
+def units() -> dict:
+    """Rank 0's placements and prefetches of every layout of UNIT_LAYOUTS, from one launch of 4 ranks."""
+    results = run_calls(4, [(_experts_units, *layout) for layout in UNIT_LAYOUTS], timeout=300)
+    return {layout: values[0] for layout, values in zip(UNIT_LAYOUTS, results)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_experts, fsdp_placement", [(2, "S(1)"), (4, "_S(0, 2)")])  # _S: dim 0 within EP's shard
-def test_experts_shard_along_dim_1_where_ranks_outnumber_them(num_experts, fsdp_placement):
+def test_experts_shard_along_dim_1_where_ranks_outnumber_them(units, num_experts, fsdp_placement):
     """EP 2 on 4 ranks: each expert is FSDP-sharded over 2 ranks (efsdp). One local expert (2 in all):
     dim 1; two local experts: dim 0, as before."""
-    placements, prefetch = run_distributed(_experts_units, 4, num_experts, timeout=300)[0]
+    placements, prefetch = units[(num_experts,)]
     # (efsdp's FSDP placement, then EP's Shard(0) over experts.)
     assert placements["layers.1.feed_forward.experts.w1"] == [fsdp_placement, "S(0)"]
     assert placements["layers.3.feed_forward.experts.w2"] == [fsdp_placement, "S(0)"]
@@ -48,18 +58,18 @@ def test_experts_shard_along_dim_1_where_ranks_outnumber_them(num_experts, fsdp_
 
 
 @pytest.mark.slow
-def test_experts_no_other_rank_holds_are_left_to_expert_parallel():
+def test_experts_no_other_rank_holds_are_left_to_expert_parallel(units):
     """EP 4 on 4 ranks: every rank holds other experts (efsdp 1), so FSDP has nothing to gather or sum
     for them: they are no unit of their own, no block's unit holds them, and they keep EP's placement
     alone. Parity: moe_ep4_aux and the EP 2 cases on 2 ranks. Under bf16 mixed precision they stay a
     unit: FSDP's cast copy is freed after each block's forward, a cast in the layer would live until
     its backward."""
-    placements, prefetch = run_distributed(_experts_units, 4, 8, 4, timeout=300)[0]
+    placements, prefetch = units[(8, 4)]
     assert placements["layers.1.feed_forward.experts.w1"] == ["S(0)"]
     assert placements["layers.3.feed_forward.experts.w2"] == ["S(0)"]
     assert placements["layers.1.feed_forward.router.gate.weight"] == ["S(0)"]  # FSDP's, on the 4 data ranks
     assert not any(".experts" in name for name in prefetch) and prefetch["layers.0"] == ["layers.1"]
-    placements, prefetch = run_distributed(_experts_units, 4, 8, 4, "bfloat16", timeout=300)[0]
+    placements, prefetch = units[(8, 4, "bfloat16")]
     assert len(placements["layers.1.feed_forward.experts.w1"]) == 2  # FSDP's (one rank) and EP's
     assert prefetch["layers.0"] == ["layers.1", "layers.1.feed_forward.experts"]
 
@@ -100,30 +110,47 @@ def _collectives_in_backward(dataset: str, folder: str, overrides: list[str]) ->
             return run(*args, **kwargs)
         return wrapper
 
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    tolist = torch.Tensor.tolist
     for name in COLLECTIVES:
-        setattr(dist, name, counted(name, getattr(dist, name)))
-    torch.Tensor.tolist = counted("tolist", torch.Tensor.tolist)
-    trainer = Trainer(parse_args(tiny_args(dataset, folder, "--training.steps", "2", *overrides)), torch.device("cpu"))
-    train(trainer)
+        setattr(dist, name, counted(name, originals[name]))
+    torch.Tensor.tolist = counted("tolist", tolist)
+    try:  # the launch runs other calls after this one: they see torch's own functions again
+        trainer = Trainer(parse_args(tiny_args(dataset, folder, "--training.steps", "2", *overrides)), torch.device("cpu"))
+        train(trainer)
+    finally:
+        for name, run in originals.items():
+            setattr(dist, name, run)
+        torch.Tensor.tolist = tolist
     return {"calls": dict(calls), "moe_layers": len(trainer.moe_layers)}
 
 
-EP2_GLOBAL_AUX = ["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", "2",
-                  "--model.moe_aux_loss_coeff", "0.01", "--model.moe_aux_loss_type", "global_batch"]
+EP2 = ["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", "2"]
+EP2_GLOBAL_AUX = EP2 + ["--model.moe_aux_loss_coeff", "0.01", "--model.moe_aux_loss_type", "global_batch"]
+RECOMPUTE = {"op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+             "full": ["--activation_checkpoint.mode", "full"]}
+
+
+@pytest.fixture(scope="module")
+def ep2_runs(corpus_jsonl, tmp_path_factory) -> dict:
+    """Every rank's values of the EP 2 runs below (each AC mode's backward, the shared experts' overlap),
+    from one launch of 2 ranks."""
+    folder = tmp_path_factory.mktemp("ep2")
+    calls = {f"recompute_{mode}": (_collectives_in_backward, str(corpus_jsonl), str(folder / mode), EP2_GLOBAL_AUX + ac)
+             for mode, ac in RECOMPUTE.items()}
+    calls["shared_experts"] = (_shared_experts_while_tokens_travel, str(corpus_jsonl), str(folder / "shared"), EP2)
+    return dict(zip(calls, run_calls(2, list(calls.values()), timeout=300)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ac, token_exchanges", [
-    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], 2),
-    (["--activation_checkpoint.mode", "full"], 4),
-])
-def test_recompute_runs_no_moe_communication(corpus_jsonl, tmp_path, ac, token_exchanges):
+@pytest.mark.parametrize("mode, token_exchanges", [("op", 2), ("full", 4)])
+def test_recompute_runs_no_moe_communication(ep2_runs, mode, token_exchanges):
     """Under activation checkpointing backward reruns each block's forward. Its expert-parallel
     count all-to-all, the host read of the split sizes and the global-batch loss's all-reduce of
     counts are never rerun. Under the op policy neither are the token all-to-alls: backward runs
     only their own backward, one all-to-all each way per MoE layer and step (2 steps); full
     checkpointing exchanges the tokens again (2 more) rather than keep them."""
-    for run in run_distributed(_collectives_in_backward, 2, str(corpus_jsonl), str(tmp_path), EP2_GLOBAL_AUX + ac, timeout=300):
+    for run in ep2_runs[f"recompute_{mode}"]:
         assert run["calls"] == {"expert.py:all_to_all_single": token_exchanges * 2 * run["moe_layers"]}, run
 
 
@@ -146,9 +173,8 @@ def _shared_experts_while_tokens_travel(dataset: str, folder: str, overrides: li
 
 
 @pytest.mark.slow
-def test_shared_experts_run_while_the_dispatch_all_to_all_is_in_flight(corpus_jsonl, tmp_path):
+def test_shared_experts_run_while_the_dispatch_all_to_all_is_in_flight(ep2_runs):
     """EP 2: every MoE layer's shared experts run between the launch of the tokens' all-to-all and its
     wait, once per forward (2 steps of one forward each; validation forwards too where they run)."""
-    overrides = ["--model.name", "moe", "--model.flavor", "debugmoe", "--parallelism.expert_parallel_degree", "2"]
-    for run in run_distributed(_shared_experts_while_tokens_travel, 2, str(corpus_jsonl), str(tmp_path), overrides, timeout=300):
+    for run in ep2_runs["shared_experts"]:
         assert len(run["seen"]) >= 2 * run["moe_layers"] > 0 and all(run["seen"]), run
