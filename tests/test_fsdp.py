@@ -2,7 +2,7 @@
 
 import pytest
 
-from distributed import run_distributed
+from distributed import run_calls, run_distributed
 from helpers import tiny_args
 
 
@@ -82,9 +82,16 @@ def _fallbacks_match_gloos_own() -> list:
     return [torch.equal(maximum, expected), torch.equal(summed, expected_sum)]
 
 
+@pytest.fixture(scope="module")
+def reduce_scatters_on_3_ranks() -> dict:
+    """Both checks of the reduce-scatter against gloo's own, from one launch of 3 ranks."""
+    fallbacks, sums = run_calls(3, [(_fallbacks_match_gloos_own,), (_both_reduce_scatters,)])
+    return {"fallbacks": fallbacks, "sums": sums}
+
+
 @pytest.mark.slow
-def test_the_reduce_scatters_fallback_is_gloos_own():
-    assert run_distributed(_fallbacks_match_gloos_own, 3) == [[True, True]] * 3
+def test_the_reduce_scatters_fallback_is_gloos_own(reduce_scatters_on_3_ranks):
+    assert reduce_scatters_on_3_ranks["fallbacks"] == [[True, True]] * 3
 
 
 def _both_reduce_scatters() -> list:
@@ -106,6 +113,6 @@ def _both_reduce_scatters() -> list:
 
 
 @pytest.mark.slow
-def test_the_all_to_all_reduce_scatter_sums_like_gloos_own():
+def test_the_all_to_all_reduce_scatter_sums_like_gloos_own(reduce_scatters_on_3_ranks):
     """The reduce-scatter FSDP runs on CPU gives each rank the sum of its slice (3 ranks, 2 sizes)."""
-    assert run_distributed(_both_reduce_scatters, 3) == [[True, True]] * 3
+    assert reduce_scatters_on_3_ranks["sums"] == [[True, True]] * 3
