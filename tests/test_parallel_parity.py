@@ -224,10 +224,11 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             record("mtp_loss", abs(mtp - (ref_loss.item() - ref_own)), f"step {step}")
         for name, p, ref in pairs:
             grad = reduced(p.grad)
-            diff = local(grad) - local_slice(ref.grad, grad)
+            expected = local_slice(ref.grad, grad)
+            diff = local(grad) - expected
             record("grad", (max_abs(diff) / ref.grad.abs().max()).item(), f"{name} step {step}")
             if diff.numel():
-                record("grad_l2", (diff.norm() / local_slice(ref.grad, grad).norm()).item(), f"{name} step {step}")
+                record("grad_l2", (diff.norm() / expected.norm()).item(), f"{name} step {step}")
             if not free_running:
                 # Both optimizers step on the same gradients: Adam is elementwise, so the sharded update
                 # must then match the full one exactly, where Adam would otherwise turn round-off in
