@@ -9,10 +9,40 @@ import json
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import run_calls
 from helpers import tiny_args
 
 pytestmark = pytest.mark.slow
+SKIP = ["--training.skip_nonfinite_steps", "--training.max_skipped_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(corpus_jsonl, tmp_path_factory) -> dict:
+    """The values of this module's 1-rank runs, from one launch (each run a Trainer of its own)."""
+    folder, data = tmp_path_factory.mktemp("one_rank"), str(corpus_jsonl)
+    calls = {
+        "nonfinite": (_nonfinite_grad, data, str(folder / "nonfinite"), []),
+        "nonfinite_skipped": (_nonfinite_grad, data, str(folder / "skipped"), SKIP),
+        "diverge_at_step_3": (_diverge_at_step_3, data, str(folder / "diverge")),
+        # Last: it shortens the default group's timeout for the rest of the process.
+        "timeouts": (_timeouts, data, str(folder / "timeouts")),
+    }
+    return {name: values[0] for name, values in zip(calls, run_calls(1, list(calls.values())))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(corpus_jsonl, tmp_path_factory) -> dict:
+    """Every rank's values of this module's 2-rank runs, from one launch."""
+    folder, data = tmp_path_factory.mktemp("two_ranks"), str(corpus_jsonl)
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4", "--validation.local_batch_size", "4"]
+    calls = {
+        "tp_norm": (_tp_norm_grad_reductions, data, str(folder / "tp")),
+        # FSDP 2, each rank reading its own documents: rank 0 docs 0 and 2, rank 1 doc 1.
+        "validation_uneven": (_validate, data, str(folder / "uneven"), _documents(folder / "uneven.jsonl", [200, 130, 200]), []),
+        # 198 tokens with BOS/EOS: 6 windows of 33.
+        "validation_pp": (_validate, data, str(folder / "pp"), _documents(folder / "pp.jsonl", [196]), pp),
+    }
+    return dict(zip(calls, run_calls(2, list(calls.values()), timeout=180)))
 
 
 def _batch(trainer, rows: int = 2):
@@ -54,20 +84,18 @@ def _nonfinite_grad(dataset: str, folder: str, overrides: list[str]) -> list:
     return outcomes
 
 
-def test_a_nonfinite_grad_norm_stops_the_run_at_the_next_check(corpus_jsonl, tmp_path):
+def test_a_nonfinite_grad_norm_stops_the_run_at_the_next_check(one_rank):
     """Without skipping, the step is not held up by a wait for the norm: the device keeps the first bad
     step's number, and the next log or checkpoint step stops the run naming it."""
-    first, second = run_distributed(_nonfinite_grad, 1, str(corpus_jsonl), str(tmp_path), [])[0]
+    first, second = one_rank["nonfinite"]
     assert first["loss_finite"] and first["outcome"] == "stepped", first
     assert "grad norm is not finite at step 0; training stopped at step 0" in first["checked"], first
     assert "skip_nonfinite_steps" in first["checked"]
     assert "not finite at step 0; training stopped at step 1" in second["checked"], second  # the first bad step
 
 
-def test_skip_nonfinite_steps_skips_and_counts_up_to_its_limit(corpus_jsonl, tmp_path):
-    skip = ["--training.skip_nonfinite_steps", "--training.max_skipped_steps", "1"]
-    (outcomes,) = run_distributed(_nonfinite_grad, 1, str(corpus_jsonl), str(tmp_path), skip)
-    first, second = outcomes
+def test_skip_nonfinite_steps_skips_and_counts_up_to_its_limit(one_rank):
+    first, second = one_rank["nonfinite_skipped"]
     # Skipped: no weight moved, AdamW holds no state, the lr schedule did not advance, grads are cleared.
     assert first == {"loss_finite": True, "outcome": "stepped", "checked": "finite", "weights_unchanged": True,
                      "adam_steps": 0, "lr_schedule_step": 0, "grads_cleared": True, "skipped": 1}, first
@@ -100,10 +128,10 @@ def _diverge_at_step_3(dataset: str, folder: str) -> dict:
     return {"error": error, "saved": sorted(p.name for p in trainer.checkpointer.folder.iterdir() if p.name.startswith("step-"))}
 
 
-def test_a_nonfinite_step_is_never_saved(corpus_jsonl, tmp_path):
+def test_a_nonfinite_step_is_never_saved(one_rank):
     """Checkpoint steps check the device's flag first: the run stops at step 3, whose update touched
     the weights, and the last checkpoint is step 2's."""
-    (outcome,) = run_distributed(_diverge_at_step_3, 1, str(corpus_jsonl), str(tmp_path))
+    outcome = one_rank["diverge_at_step_3"]
     assert outcome["error"] and "not finite at step 3; training stopped at step 3" in outcome["error"], outcome
     assert outcome["saved"] == ["step-1", "step-2"], outcome
 
@@ -121,11 +149,11 @@ def _tp_norm_grad_reductions(dataset: str, folder: str) -> dict:
     return {str(op): n for op, n in comm.get_comm_counts().items()}
 
 
-def test_tensor_parallel_norm_gradients_are_summed_once(corpus_jsonl, tmp_path):
+def test_tensor_parallel_norm_gradients_are_summed_once(two_ranks):
     """TP 2 without FSDP: the 13 sequence-parallel norm weights' gradients arrive as pending sums.
     Clipping and the optimizer step must not each all-reduce them (that was 27 all-reduces): one
     all-reduce sums all of them, one more the grad norm."""
-    counts = run_distributed(_tp_norm_grad_reductions, 2, str(corpus_jsonl), str(tmp_path))
+    counts = two_ranks["tp_norm"]
     assert counts[0] == {"c10d_functional.all_reduce": 2}, counts
 
 
@@ -142,20 +170,17 @@ def _documents(path, byte_lengths: list[int]) -> str:
     return str(path)
 
 
-def test_validation_ranks_agree_on_their_number_of_batches(corpus_jsonl, tmp_path):
+def test_validation_ranks_agree_on_their_number_of_batches(two_ranks):
     """FSDP 2 with each rank reading its own documents: rank 0 holds 6 batches of 2 windows (33 byte
     tokens each), rank 1 holds 2. Both stop after 2, or rank 0's all-gathers would wait forever."""
-    validation = _documents(tmp_path / "val.jsonl", [200, 130, 200])  # rank 0: docs 0 and 2, rank 1: doc 1
-    losses = run_distributed(_validate, 2, str(corpus_jsonl), str(tmp_path / "run"), validation, [], timeout=120)
+    losses = two_ranks["validation_uneven"]
     assert losses[0] == losses[1] and losses[0] == losses[0], losses
 
 
-def test_validation_drops_a_partial_batch_under_pipeline_microbatches(corpus_jsonl, tmp_path):
+def test_validation_drops_a_partial_batch_under_pipeline_microbatches(two_ranks):
     """PP 2 with 4 microbatches of 1: 6 windows make one full batch of 4 and a partial one of 2,
     which no microbatch split fits; the partial batch is dropped."""
-    validation = _documents(tmp_path / "val.jsonl", [196])  # 198 tokens with BOS/EOS: 6 windows of 33
-    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4", "--validation.local_batch_size", "4"]
-    losses = run_distributed(_validate, 2, str(corpus_jsonl), str(tmp_path / "run"), validation, pp, timeout=120)
+    losses = two_ranks["validation_pp"]
     assert losses[0] == losses[1] and losses[0] == losses[0], losses
 
 
@@ -176,6 +201,6 @@ def _timeouts(dataset: str, folder: str) -> dict:
     }
 
 
-def test_async_checkpoint_group_keeps_its_own_timeout(corpus_jsonl, tmp_path):
-    (timeouts,) = run_distributed(_timeouts, 1, str(corpus_jsonl), str(tmp_path))
+def test_async_checkpoint_group_keeps_its_own_timeout(one_rank):
+    timeouts = one_rank["timeouts"]
     assert timeouts == {"training": 7.0, "async_checkpoint": 1234.0}, timeouts
