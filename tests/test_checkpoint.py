@@ -37,13 +37,22 @@ def first_logged_step(stdout: str) -> int:
     return int(re.search(r"^step +(\d+) \| loss", stdout, re.MULTILINE).group(1))
 
 
-def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path):
+@pytest.fixture(scope="module")
+def straight(corpus_jsonl, tmp_path_factory) -> dict[int, float]:
+    """The losses of an uninterrupted 20-step run (1 process, COMMON's constant lr, a checkpoint at step
+    10): what each resumed 1-process run below must log bitwise. Shorter runs log the same steps, as
+    the lr does not depend on the run's length and saves do not change training."""
+    folder = tmp_path_factory.mktemp("straight")
+    torchrun(1, tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "20", "--checkpoint.interval", "10"))
+    return losses(folder)
+
+
+def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path, straight):
     args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps), "--checkpoint.interval", "10")
-    torchrun(1, args(tmp_path / "straight", 20))
     torchrun(1, args(tmp_path / "resumed", 10))
     out = torchrun(1, args(tmp_path / "resumed", 20))
     assert f"loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / 'step-10'} (" in out.stdout
-    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    resumed = losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(1, 21))  # the resumed run appended steps 11-20
     assert [resumed[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]  # bitwise
     # Throughput counts this run's 10 steps of 2 x 32 tokens, not the 20 steps since step 0.
@@ -51,17 +60,16 @@ def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path):
 
 
 @pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
-def test_a_model_only_final_save_is_passed_over_when_resuming(corpus_jsonl, tmp_path):
+def test_a_model_only_final_save_is_passed_over_when_resuming(corpus_jsonl, tmp_path, straight):
     """last_save_model_only (TorchTitan's default) makes the last save weights only: extending the run
     resumes from the newest full checkpoint instead of restarting at step 0 from those weights."""
     args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps),
                                            "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "true")
-    torchrun(1, args(tmp_path / "straight", 5))
     torchrun(1, args(tmp_path / "extended", 3))  # full step-2, model-only step-3
     out = torchrun(1, args(tmp_path / "extended", 5))
     assert "step-3 holds the model only (last_save_model_only); resuming from step-2" in out.stdout
     assert f"loaded checkpoint {tmp_path / 'extended' / 'checkpoint' / 'step-2'} (" in out.stdout
-    straight, extended = losses(tmp_path / "straight"), losses(tmp_path / "extended")
+    extended = losses(tmp_path / "extended")
     assert [extended[s] for s in (3, 4, 5)] == [straight[s] for s in (3, 4, 5)]
     # Only a model-only checkpoint: one line saying how to start from its weights.
     only = lambda steps: tiny_args(corpus_jsonl, tmp_path / "only", *COMMON, "--training.steps", str(steps),
@@ -126,7 +134,7 @@ def crash(point: str, args: list[str]) -> None:
     assert out.returncode == 137, (point, out.stderr[-2000:])
 
 
-def test_a_crash_at_any_point_of_a_save_resumes_from_the_last_good_checkpoint(corpus_jsonl, tmp_path):
+def test_a_crash_at_any_point_of_a_save_resumes_from_the_last_good_checkpoint(corpus_jsonl, tmp_path, straight):
     """Die (exit 137, as kill -9) at each point of the step-4 save, then rerun: the last complete
     checkpoint loads, the run ends like an uninterrupted one, and nothing unfinished is left."""
     from titanlite.checkpoint.paths import complete_steps
@@ -134,8 +142,6 @@ def test_a_crash_at_any_point_of_a_save_resumes_from_the_last_good_checkpoint(co
     args = lambda folder, *extra: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "6",
                                             "--checkpoint.interval", "2", *extra)
     keep_one = ["--checkpoint.keep_latest_k", "1"]
-    torchrun(1, args(tmp_path / "straight", *keep_one))
-    straight = losses(tmp_path / "straight")
     for point, last_good in [("data_written", 2), ("before_commit", 2), ("during_removal", 4)]:
         folder = tmp_path / point
         crash(point, args(folder, *keep_one))
