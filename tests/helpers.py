@@ -68,6 +68,15 @@ def train_losses(config_file: str, steps: int, runs: dict[str, list[str]], dump_
     return losses
 
 
+def run_train_env_vars() -> set[str]:
+    """The environment variables run_train.sh reads (${NAME...}), less the process ids it records itself."""
+    import re
+
+    script = (Path(__file__).resolve().parent.parent / "run_train.sh").read_text()
+    own = set(re.findall(r"(\w+)=\$!", script))
+    return set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)(?::[-?+]|\})", script)) - own
+
+
 def run_command(cmd: list[str], timeout: float = 300, **kwargs):
     """subprocess.run in its own process group, killed whole on timeout (torchrun's workers too)."""
     import os

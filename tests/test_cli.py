@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, run_command, tiny_args
+from helpers import REPO, run_command, run_train_env_vars, tiny_args
 from titanlite.launch import curve_difference
 
 pytestmark = pytest.mark.slow
@@ -339,9 +339,7 @@ def test_help_lists_the_environment_first():
     lines = out.splitlines()
     start, first_section = lines.index("Environment variables:"), lines.index("[model]")
     block = "\n".join(lines[start:first_section])
-    script = (REPO / "run_train.sh").read_text()
-    own = set(re.findall(r"(\w+)=\$!", script))  # process ids the script records
-    read = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)(?::[-?+]|\})", script)) - own
+    read = run_train_env_vars()
     assert {"NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "CONFIG_FILE", "COMM_MODE", "MAX_RESTARTS"} <= read
     for name in read | {"TITANLITE_CACHE", "WANDB_PROJECT", "TORCHFT_LIGHTHOUSE"}:
         assert re.search(rf"^  {name}\s+\S", block, re.MULTILINE), name

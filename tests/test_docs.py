@@ -9,6 +9,8 @@ for real (two steps, in a scratch folder), the GPU ones as fake-backend dry runs
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shlex
@@ -19,26 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers import REPO, run_train_env_vars
 from titanlite.config import reference
+from titanlite.config.help import ENVIRONMENT
 from titanlite.config.keys import LEAVES, MOVED, SECTIONS
 from titanlite.models import FAMILIES
 
-REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
-
-
-def run_train_env_vars() -> set[str]:
-    """Variables run_train.sh reads from the environment: those read (${NAME...}) before the script
-    assigns them itself (LIGHTHOUSE_PID is the script's own)."""
-    script = "\n".join(line for line in (REPO / "run_train.sh").read_text().splitlines() if not line.lstrip().startswith("#"))
-    names = set()
-    for match in re.finditer(r"\$\{([A-Z_][A-Z0-9_]*)(?=[:}])", script):
-        name = match.group(1)
-        assigned = re.search(rf"(?m)^\s*(?:export\s+)?{name}=", script)
-        if assigned is None or assigned.start() > match.start() or f"${{{name}" in script[assigned.start():script.index("\n", assigned.start())]:
-            names.add(name)
-    return names
 
 
 def omissions(text: str) -> list[str]:
@@ -54,7 +44,8 @@ def omissions(text: str) -> list[str]:
     missing += [f"config {p.name}" for p in sorted((REPO / "train_configs").glob("*.toml")) if p.name not in text]
     missing += [f"script {p.name}" for p in sorted((REPO / "scripts").iterdir()) if p.is_file() and f"scripts/{p.name}" not in text]
     missing += [f"section [{s}]" for s in sorted(SECTIONS) if f"[{s}]" not in text and f"`{s}." not in text]
-    missing += [f"variable {v}" for v in sorted(run_train_env_vars()) if f"`{v}`" not in text]
+    variables = run_train_env_vars() | {name for name, _ in ENVIRONMENT}  # and those --help lists
+    missing += [f"variable {v}" for v in sorted(variables) if f"`{v}`" not in text]
     return missing
 
 
@@ -171,8 +162,7 @@ def test_the_recipes_cover_what_the_readme_promises():
 def test_the_gpu_recipes_pass_a_dry_run():
     """Each multi-GPU or multi-node run_train.sh recipe, as a COMM_MODE=fake_backend dry run of the
     same command; the torchft groups and SLURM lines through the config reader and its checks."""
-    from titanlite.config.reading import parse_args
-    from titanlite.config.validation import validate
+    from titanlite.config.reading import parse_args  # it validates too
 
     checked = 0
     for command in recipes():
@@ -181,10 +171,10 @@ def test_the_gpu_recipes_pass_a_dry_run():
             script = next(w for w in words if w.startswith("scripts/"))
             assert (REPO / script).is_file(), script
             overrides = words[words.index(script) + 1:]
-            validate(parse_args(["--job.config_file", env.get("CONFIG_FILE", "train_configs/debug_model.toml"), *overrides]))
+            parse_args(["--job.config_file", env.get("CONFIG_FILE", "train_configs/debug_model.toml"), *overrides])
             checked += 1
         elif words[0] == "./run_train.sh" and "--fault_tolerance.enable" in words:
-            validate(parse_args(["--job.config_file", env.get("CONFIG_FILE", "train_configs/debug_model.toml"), *words[1:]]))
+            parse_args(["--job.config_file", env.get("CONFIG_FILE", "train_configs/debug_model.toml"), *words[1:]])
             checked += 1
         elif words[0] == "./run_train.sh" and (is_gpu_recipe(env) or env.get("COMM_MODE")):
             result = run(words, {**env, "COMM_MODE": "fake_backend"}, timeout=120)
@@ -211,26 +201,42 @@ def test_the_recipes_test_cli_trains_are_the_readmes():
         assert f'"{env["CONFIG_FILE"]}"' in body and all(f'"{w}"' in body for w in words), (command, test)
 
 
+def metrics_rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_the_cpu_recipes_train(tmp_path):
-    """Each CPU recipe for two steps, in order, each run in its config's folder under tmp_path
-    (paths under outputs/ and hf_out move there too); the planner's line as it is."""
+    """Each CPU recipe for two steps, in order, each checked for what it promises; the paths under
+    outputs/ and hf_out move to tmp_path. The seed checkpoint's run writes where the next line reads."""
     ran = 0
-    for command in recipes():
+    for i, command in enumerate(recipes()):
         env, words = split_command(command)
-        if command in TRAINED_IN_TEST_CLI:
+        if command in TRAINED_IN_TEST_CLI or is_gpu_recipe(env) or env.get("COMM_MODE") or "--fault_tolerance.enable" in words:
             continue
+        words = [w.replace("outputs/", f"{tmp_path}/").replace("hf_out", f"{tmp_path}/hf_out") for w in words]
         if words[0] == "python":
-            words = [sys.executable, *[w.replace("outputs/", f"{tmp_path}/").replace("hf_out", f"{tmp_path}/hf_out") for w in words[1:]]]
-            result = run(words, env)
+            result = run([sys.executable, *words[1:]], env)
             assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])
+            if "to-hf" in words:
+                assert (tmp_path / "hf_out" / "model.safetensors").is_file()
             ran += 1
-        elif words[0] == "./run_train.sh" and not is_gpu_recipe(env) and not env.get("COMM_MODE") and "--fault_tolerance.enable" not in words:
-            stem = Path(env.get("CONFIG_FILE", "train_configs/debug_model.toml")).stem
-            words = [w.replace("hf_out", f"{tmp_path}/hf_out") for w in words]
-            result = run([*words, "--training.steps", "2", "--job.dump_folder", f"{tmp_path}/{stem}"], env)
+        elif words[0] == "./run_train.sh":
+            seeding = "--checkpoint.create_seed_checkpoint" in words
+            folder = tmp_path / ("debug_model" if seeding else f"recipe_{i}")
+            result = run([*words, "--training.steps", "2", "--job.dump_folder", str(folder)], env)
             assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])
+            if seeding:
+                assert (folder / "checkpoint" / "step-0").is_dir(), command
+                continue
+            rows = metrics_rows(folder)
+            assert [r["step"] for r in rows if "loss" in r][-1] == 2 and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+            if "--checkpoint.interval" in words:  # "run it again: it resumes from the latest"
+                again = run([*words, "--training.steps", "3", "--job.dump_folder", str(folder)], env)
+                assert again.returncode == 0 and "at step 2" in again.stdout, (again.stdout[-2000:], again.stderr[-2000:])
+            if "--checkpoint.initial_load_in_hf" in words:
+                assert "loaded Hugging Face weights" in result.stdout, result.stdout[-2000:]
+            if "--checkpoint.last_save_in_hf" in words:
+                assert list((folder / "checkpoint").glob("step-2/*.safetensors")), sorted((folder / "checkpoint").rglob("*"))
             ran += 1
-        elif words[:2] == ["bash", "scripts/ft_demo.sh"]:
-            assert (REPO / words[1]).is_file()
     assert ran >= 7

@@ -25,6 +25,12 @@ def opt(
     return field(default=default, metadata=meta)
 
 
+def choices_text(meta) -> str:
+    """' (one of: a, b)' for a field whose values are listed (less the unsupported ones), else ''."""
+    choices = [c for c in meta["choices"] or () if c not in meta["unsupported"]]
+    return f" (one of: {', '.join('none' if c is None else str(c) for c in choices)})" if choices else ""
+
+
 def section(cls):
     return field(default_factory=cls)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
+from titanlite.config.fields import choices_text
 from titanlite.config.keys import default_value, get, is_section
 from titanlite.config.schema import JobConfig
 from titanlite.config.writing import toml_value
@@ -84,9 +85,7 @@ def sections() -> list[tuple[str, list[tuple[str, dataclasses.Field]]]]:
 
 def _description(f: dataclasses.Field) -> str:
     meta = f.metadata
-    choices = [c for c in meta["choices"] or () if c not in meta["unsupported"]]
-    listed = f" (one of: {', '.join('none' if c is None else str(c) for c in choices)})" if choices else ""
-    return f"{'[titanlite] ' if meta['extension'] else ''}{meta['help']}{listed}"
+    return f"{'[titanlite] ' if meta['extension'] else ''}{meta['help']}{choices_text(meta)}"
 
 
 def _shown(value) -> str:

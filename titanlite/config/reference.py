@@ -12,7 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from titanlite.config.keys import default_value, leaves
+from titanlite.config.fields import choices_text
+from titanlite.config.help import sections
+from titanlite.config.keys import default_value
 from titanlite.config.writing import toml_value
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -33,30 +35,24 @@ def key_tables() -> str:
     """One table per section (key, default, meaning; titanlite's own keys marked), then one closing
     table of the TorchTitan keys accepted only at their default."""
     lines: list[str] = []
-    refused: list[tuple[str, str]] = []
-    current = None
-    for key, f, _ in leaves():
-        section, name = key.rsplit(".", 1)
-        meta = f.metadata
-        if meta["not_implemented"]:
-            refused.append((key, meta["not_implemented"]))
-            continue
-        if section != current:
-            lines += ["", f"### `[{section}]`", "", "| key | default | meaning |", "|---|---|---|"]
-            current = section
-        choices = [c for c in meta["choices"] or () if c not in meta["unsupported"]]
-        meaning = meta["help"]
-        if choices:
-            meaning += f" (one of: {', '.join('none' if c is None else str(c) for c in choices)})"
-        for value, instead in meta["unsupported"].items():
-            meaning += f"; `{value}` is refused: {instead}"
-        mark = " *(titanlite)*" if meta["extension"] else ""
-        lines.append(f"| `{name}`{mark} | {_default(f)} | {_cell(meaning)} |")
+    for section, keys in sections():  # --help's order: model, training, parallelism, checkpoint, ...
+        rows = []
+        for key, f in keys:
+            meta = f.metadata
+            if meta["not_implemented"]:
+                continue
+            meaning = meta["help"] + choices_text(meta)
+            for value, instead in meta["unsupported"].items():
+                meaning += f"; `{value}` is refused: {instead}"
+            mark = " *(titanlite)*" if meta["extension"] else ""
+            rows.append(f"| `{key.rsplit('.', 1)[1]}`{mark} | {_default(f)} | {_cell(meaning)} |")
+        if rows:
+            lines += ["", f"### `[{section}]`", "", "| key | default | meaning |", "|---|---|---|", *rows]
     lines += ["", "### TorchTitan keys accepted only at their default", "",
               "Any other value stops the run before launch, in one line saying what to use instead.", "",
               "| key | default | instead |", "|---|---|---|"]
-    defaults = {key: f for key, f, _ in leaves()}
-    lines += [f"| `{key}` | {_default(defaults[key])} | {_cell(instead)} |" for key, instead in refused]
+    lines += [f"| `{key}` | {_default(f)} | {_cell(f.metadata['not_implemented'])} |"
+              for _, keys in sections() for key, f in keys if f.metadata["not_implemented"]]
     return "\n".join(lines).strip("\n")
 
 
