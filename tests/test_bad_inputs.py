@@ -256,6 +256,24 @@ def test_preflight_checks_each_input_class_itself(preflight_inputs, tmp_path):
             pytest.fail(f"preflight passed {extra} on {world} ranks")
 
 
+def test_preflight_accepts_a_read_only_checkpoint_folder_under_load_only(preflight_inputs, tmp_path, monkeypatch):
+    """checkpoint.load_only (TorchTitan's: load, never save) reads the checkpoint folder: one the user
+    cannot write passes, one that cannot be written still stops a run that saves, and a file does either way."""
+    import titanlite.preflight as preflight
+    from titanlite.config import ConfigError
+
+    config, files = preflight_inputs
+    shared = tmp_path / "shared_checkpoints"
+    shared.mkdir()
+    real = os.access  # the tests run as root, for whom every folder is writable: os.access says no for this one
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: Path(path) != shared and real(path, mode))
+    preflight.check(config("--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.folder", str(shared)), 1)
+    with pytest.raises(ConfigError, match="is not writable; set checkpoint.folder"):
+        preflight.check(config("--checkpoint.enable", "--checkpoint.folder", str(shared)), 1)
+    with pytest.raises(ConfigError, match="a_file' is a file, not a folder; set checkpoint.folder"):
+        preflight.check(config("--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.folder", str(files["a_file"])), 1)
+
+
 def test_preflight_checks_wandb_is_installed(preflight_inputs, monkeypatch):
     import importlib.util
 

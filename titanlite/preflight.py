@@ -52,6 +52,9 @@ def check(config: JobConfig, world_size: int) -> None:
     check_writable_folder(config.job.dump_folder)
     for key, folder in output_folders(config):
         check_folder_path(config, key, folder)
+    c = config.checkpoint
+    if c.enable and c.load_only and not c.create_seed_checkpoint:  # read, never written: a file there is still wrong
+        check_folder_path(config, "checkpoint.folder", checkpoint_folder(config), writes=False)
     if config.checkpoint.create_seed_checkpoint:
         return  # reads no data and loads no checkpoint
     split_source(config, "train")
@@ -69,7 +72,7 @@ def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
     trainer resolves it (inside job.dump_folder; an absolute name stands alone)."""
     m, p, c = config.metrics, config.profiling, config.checkpoint
     wanted = [
-        ("checkpoint.folder", c.enable or c.create_seed_checkpoint),
+        ("checkpoint.folder", (c.enable and not c.load_only) or c.create_seed_checkpoint),  # load_only: never saves
         ("metrics.save_tb_folder", m.enable_tensorboard),
         ("profiling.save_traces_folder", p.enable_profiling),
         ("profiling.save_memory_snapshot_folder", p.enable_memory_snapshot),
@@ -78,17 +81,17 @@ def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
     return [(key, Path(config.job.dump_folder) / get(config, key)) for key, on in wanted if on]
 
 
-def check_folder_path(config: JobConfig, key: str, folder: Path) -> None:
-    """No part of `folder` is a file and its nearest existing folder is writable. Nothing is created:
-    some of these folders appear only on GPUs, or at a timeout."""
+def check_folder_path(config: JobConfig, key: str, folder: Path, writes: bool = True) -> None:
+    """No part of `folder` is a file and (`writes`) its nearest existing folder is writable. Nothing is
+    created: some of these folders appear only on GPUs, or at a timeout."""
     for part in [folder, *folder.parents]:
         if not part.exists():
             continue
-        why = "is a file, not a folder" if not part.is_dir() else "is not writable" if not os.access(part, os.W_OK | os.X_OK) else ""
+        why = "is a file, not a folder" if not part.is_dir() else "is not writable" if writes and not os.access(part, os.W_OK | os.X_OK) else ""
         if why:
             raise ConfigError(
-                f"{key}='{get(config, key)}': the run writes into '{folder}', and '{part}' {why}; set {key} to a folder "
-                f"you can write (default '{default_value(LEAVES[key][0])}', inside job.dump_folder)"
+                f"{key}='{get(config, key)}': the run {'writes into' if writes else 'loads from'} '{folder}', and '{part}' "
+                f"{why}; set {key} to a folder {'you can write' if writes else 'of checkpoints'} (default '{default_value(LEAVES[key][0])}', inside job.dump_folder)"
             )
         return
 
