@@ -4,10 +4,12 @@ DeepSeek's float8 release format, YaRN, and the shape checks. Layouts: test_para
 
 import json
 import math
+import sys
 
 import pytest
 import torch
 
+from helpers import REPO, run_command, tiny_args
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import build_model, model_args
 
@@ -344,8 +346,6 @@ def test_mtp_module_joins_the_normed_embedding_and_hidden_state_embedding_first(
     torch.testing.assert_close(seen[0], expected, rtol=1e-5, atol=1e-5)
 
 
-
-
 def test_yarn_comes_from_the_flavor_never_from_the_run_lengths():
     """Whether YaRN applies is the flavor's (DeepSeek's rope_scaling), as in transformers and TorchTitan:
     V3 and V2-Lite get YaRN's frequencies and softmax mscale at any length, and a validation longer
@@ -380,3 +380,18 @@ def test_yarn_comes_from_the_flavor_never_from_the_run_lengths():
     config = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.flavor_overrides", "yarn_factor=1"])
     args = model_args("deepseek_v3", "671B", 0, 163840, 1, config.model)
     assert not args.yarn_on and args.softmax_mscale == 1.0 and args.rope_attention_factor == 1.0
+
+
+def test_yarn_is_said_at_start_up(tmp_path, corpus_jsonl):
+    """YaRN is on at every length for 671B and 16B: the start-up log says so (train.py logs the args'
+    `notes`), with DeepSeek's factor, original context and softmax scale ((0.1 * mscale_all_dim * ln 40 + 1)^2)."""
+    for flavor, mscale_all_dim in [("671B", 1.0), ("16B", 0.707)]:
+        args = model_args("deepseek_v3", flavor, 0, 4096, 1)
+        scale = (0.1 * mscale_all_dim * math.log(40) + 1) ** 2
+        assert args.notes == f"YaRN on: factor 40, original context 4096, softmax scale x{scale:.3f}", flavor
+    assert model_args("deepseek_v3", "debugmodel", 256, 2048, 1).notes == ""  # plain RoPE: nothing to say
+    # The line in a run's log: a debug model given YaRN by a flavor override (factor 4: (0.1 ln 4 + 1)^2).
+    out = run_command([sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "run", "--training.steps", "1",
+                       "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.flavor_overrides", "yarn_factor=4")], cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"YaRN on: factor 4, original context 4096, softmax scale x{(0.1 * math.log(4) + 1) ** 2:.3f}" in out.stdout + out.stderr

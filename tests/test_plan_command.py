@@ -109,6 +109,28 @@ def test_the_planned_line_reads_back_as_the_plan(argv, gpus, seq_len, global_bat
         assert layout["ep"] > 1 and layout["ac"] == "op"
 
 
+def test_a_line_on_a_debug_config_says_what_a_real_run_sets():
+    """Families without a sized preset are planned on their debug config (its data, tokenizer and step
+    count): a note under the line names the keys a real run sets, each a key of the schema; Llama 3's
+    presets get none. The note is a shell comment, harmless if pasted with the line."""
+    from titanlite.config.keys import LEAVES
+    from titanlite.models import FAMILIES
+    from titanlite.planner import Layout, run_command
+
+    layout = Layout(dp_shard=8)
+    for name, flavor, preset in [("deepseek_v3", "671B", False), ("llama4", "17bx16e", False), ("moe", "qwen3_30b_a3b", False),
+                                 ("llama3", "8B", True)]:
+        line, *note = run_command(layout, FAMILIES[name].flavors[flavor], name, flavor, 4096, 64).split("\n")
+        assert line.startswith("NGPU=8 NNODES=1 CONFIG_FILE=train_configs/") and ("debug" in line) != preset, line
+        if preset:
+            assert note == [], note
+            continue
+        assert len(note) == 1 and note[0].startswith("# ") and "debug" in note[0], note
+        keys = re.findall(r"--([a-z_]+\.[a-z_]+)", note[0])
+        assert set(keys) == {"training.dataset", "training.dataset_path", "model.hf_assets_path", "training.steps",
+                             "lr_scheduler.warmup_steps"} and all(k in LEAVES for k in keys), note
+
+
 def test_benchmark_per_op_ac_row_runs_the_per_op_policy():
     sys.path.insert(0, str(REPO / "scripts"))
     from benchmark import PRESETS, trainer_args

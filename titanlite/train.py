@@ -132,6 +132,8 @@ def train(trainer: Trainer) -> None:
         + (f"; MoE: FLOPs, TFLOPS and MFU count the {trainer.active_params:,} parameters a token uses (its "
            "experts), not all" if trainer.is_moe else "")
     )
+    if notes := trainer.model_parts[0].args.notes:  # the family's own (DeepSeek-V3: YaRN on)
+        log_line(notes)
     for converter in trainer.converters:
         log_line(converter.describe(trainer.model_parts, trainer.device))
     if trainer.config.model.tokenizer_path:

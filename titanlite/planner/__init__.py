@@ -13,7 +13,7 @@ fit_constants rebinds the fitted ones, so read and set them in cost_model, where
 them (`from titanlite.planner import cost_model`; a copy here would go stale).
 """
 
-from titanlite.planner.command import config_file, run_command, run_flags
+from titanlite.planner.command import run_command, run_flags
 from titanlite.planner.cost_model import FITTED, GIB, GPU_OVERHEAD, Estimate, Layout, estimate, gpu_family
 from titanlite.planner.fit import PublishedRun, fit_constants, fit_loss, published_runs
 from titanlite.planner.shapes import block_activation_elements, expert_params, stage_params
@@ -23,6 +23,6 @@ from titanlite.planner.search import (
 
 __all__ = [
     "FITTED", "GIB", "GPU_OVERHEAD", "Estimate", "Layout", "PublishedRun", "block_activation_elements", "breakdown",
-    "candidate_layouts", "config_file", "differences", "estimate", "expert_params", "explain", "fit_constants", "fit_loss", "gpu_family",
+    "candidate_layouts", "differences", "estimate", "expert_params", "explain", "fit_constants", "fit_loss", "gpu_family",
     "outside_validation", "plan", "powers_of_two", "published_runs", "run_command", "run_flags", "stage_params",
 ]

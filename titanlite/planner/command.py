@@ -68,7 +68,8 @@ def run_flags(layout: Layout, model: ModelArgs, global_batch: int) -> list[str]:
 def run_command(layout: Layout, model: ModelArgs, name: str, flavor: str, seq_len: int, global_batch: int,
                 gpus_per_node: int = 8, flavor_overrides: tuple[str, ...] = (), n_layers: int = 0) -> str:
     """The shell line that trains `layout` (on each node: run_train.sh takes NODE_RANK and
-    RDZV_ENDPOINT from the environment when NNODES > 1)."""
+    RDZV_ENDPOINT from the environment when NNODES > 1), and under it, where the config file is the
+    family's debug one, a note of the keys a real run sets."""
     gpus = layout.gpus
     ngpu, nnodes = (gpus, 1) if gpus <= gpus_per_node else (gpus_per_node, gpus // gpus_per_node)
     if ngpu * nnodes != gpus:
@@ -77,4 +78,10 @@ def run_command(layout: Layout, model: ModelArgs, name: str, flavor: str, seq_le
     args += ["--model.flavor_overrides", ",".join(flavor_overrides)] if flavor_overrides else []
     args += ["--model.n_layers", str(n_layers)] if n_layers else []
     args += ["--training.seq_len", str(seq_len), *run_flags(layout, model, global_batch)]
-    return f"NGPU={ngpu} NNODES={nnodes} CONFIG_FILE={config_file(name, flavor)} ./run_train.sh {shlex.join(args)}"
+    file = config_file(name, flavor)
+    line = f"NGPU={ngpu} NNODES={nnodes} CONFIG_FILE={file} ./run_train.sh {shlex.join(args)}"
+    if file.endswith(DEBUG_CONFIGS[name]):  # a shell comment: pasted with the line, it runs nothing
+        line += (f"\n# {file} is a debug run (its data, tokenizer and step count); for a real one also set "
+                 "--training.dataset (or --training.dataset_path), --model.hf_assets_path (the model's tokenizer), "
+                 "--training.steps and --lr_scheduler.warmup_steps")
+    return line

@@ -45,6 +45,11 @@ class ModelArgs:
         return self.head_dim_override or self.dim // self.n_heads
 
     @property
+    def notes(self) -> str:
+        """What the run's start-up log says of this model beyond its name and size ('': nothing)."""
+        return ""
+
+    @property
     def rope_dim(self) -> int:
         """The dims of each query/key head that RoPE rotates."""
         return self.head_dim

@@ -62,6 +62,14 @@ class DeepSeekV3Args(MoEArgs):
         return self.yarn_factor > 1
 
     @property
+    def notes(self) -> str:
+        """YaRN is on at every length where the flavor has it: said once, since nothing else shows it."""
+        if not self.yarn_on:
+            return ""
+        return (f"YaRN on: factor {self.yarn_factor:g}, original context {self.yarn_original_seq_len}, "
+                f"softmax scale x{self.softmax_mscale:.3f}")
+
+    @property
     def softmax_mscale(self) -> float:
         """YaRN's factor on the attention logits (mscale^2 on the softmax scale)."""
         return yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim) ** 2 if self.yarn_on else 1.0
@@ -141,7 +149,7 @@ def check_shapes(args: DeepSeekV3Args) -> None:
     """MLA and routing shapes that cannot work, whatever the layout."""
     for name in ("q_lora_rank", "qk_nope_head_dim", "mtp_depth", "mtp_loss_weight"):
         if getattr(args, name) < 0:
-            raise ConfigError(f"{name}={getattr(args, name)} must be >= 0 (q_lora_rank 0: no query latent)")
+            raise ConfigError(f"{name}={getattr(args, name)} must be >= 0" + (" (0: no query latent)" if name == "q_lora_rank" else ""))
     if args.v_head_dim <= 0:
         raise ConfigError(f"v_head_dim={args.v_head_dim} must be > 0 (DeepSeek's: 128)")
     if args.kv_lora_rank <= 0:
