@@ -41,6 +41,31 @@ def test_gpu_table_matches_device_names():
     assert power_reader(torch.device("cpu")) is None
 
 
+def every_extra() -> dict[str, float]:
+    """Every extra a log step can have, from the trainer's and fault tolerance's own code (step_extras,
+    stage_balance, FaultTolerance.metrics) run with every feature on, over stand-ins for their state:
+    a key either adds shows up here, so its TensorBoard group is checked."""
+    from types import SimpleNamespace
+
+    from titanlite.fault_tolerance import FaultTolerance
+    from titanlite.trainer import Trainer
+
+    manager = SimpleNamespace(num_participants=lambda: 2, is_participating=lambda: True)
+    ft = SimpleNamespace(manager=manager, steps_redone=3, stalled_seconds=0.4, goodput=lambda: 0.9, syncs=5, syncs_failed=0,
+                         settings=SimpleNamespace(semi_sync_method="diloco"))
+    trainer = SimpleNamespace(is_moe=True, aux_loss_on=True, device=torch.device("cpu"), pp_group=None,
+                              balance=(torch.tensor([[3.0, 1.0]]), torch.tensor(0.003)), mtp_depth=1, mtp_loss=None,
+                              global_loss=lambda loss: 2.5, ft=SimpleNamespace(metrics=lambda: FaultTolerance.metrics(ft)))
+    trainer.stage_balance = lambda: Trainer.stage_balance(trainer)
+    return Trainer.step_extras(trainer)
+
+
+def test_a_metric_without_a_group_is_charted_under_other():
+    """A metric TB_TAGS lacks (test_tensorboard_tags_are_grouped_with_the_loss_chart_first keeps the
+    trainer's own out of here) is charted as other/<key> rather than stopping a run mid-way."""
+    assert metrics.scalar_tags({"step": 1, "loss": 3.0, "a_new_metric": 2.0}) == {"loss/loss": 3.0, "other/a_new_metric": 2.0}
+
+
 def test_tensorboard_tags_are_grouped_with_the_loss_chart_first(tmp_path):
     """TensorBoard groups charts by the tag's prefix before '/' and sorts groups and charts by name:
     every scalar has a group, the loss sorts first, and each metrics.jsonl key has a tag of its own
@@ -54,8 +79,8 @@ def test_tensorboard_tags_are_grouped_with_the_loss_chart_first(tmp_path):
     logger.power = ("NVML", lambda: 300.0)
     logger.open(append=False)
     logger.record_step(tokens=4000, data_seconds=0.01)
-    extras = {"mtp_loss": 2.5, "moe_max_load": 1.7, "moe_aux_loss": 0.003, "ft_replicas": 2.0, "ft_participating": 1.0,
-              "ft_steps_redone": 3.0, "ft_stalled_seconds": 0.4, "ft_goodput": 0.9, "ft_syncs": 5.0, "ft_syncs_failed": 0.0}
+    extras = every_extra()
+    assert {"mtp_loss", "moe_max_load", "moe_aux_loss", "ft_goodput", "ft_syncs"} <= set(extras), extras
     logger.log(step=1, loss=3.0, grad_norm=1.5, lr=1e-3, tokens_seen=4000, skipped_steps=0, extras=extras)
     logger.log_validation(step=1, loss=2.75)
     logger.close()
@@ -70,6 +95,7 @@ def test_tensorboard_tags_are_grouped_with_the_loss_chart_first(tmp_path):
             "validation/loss", "moe/max_load", "torchft/goodput"} <= set(tags), tags
     from titanlite.metrics import TB_TAGS
 
+    assert set(keys) <= set(TB_TAGS), f"metrics {sorted(set(keys) - set(TB_TAGS))} have no group: add them to TB_TAGS"
     assert len(tags) == len(keys) == len({TB_TAGS[k] for k in keys}) and set(tags) == {TB_TAGS[k] for k in keys}
     for row in rows:
         for key, value in row.items():

@@ -153,11 +153,9 @@ TB_TAGS = {
 
 
 def scalar_tags(row: dict) -> dict[str, float]:
-    """A metrics.jsonl row's scalars under their TensorBoard tags."""
-    missing = set(row) - set(TB_TAGS) - {"step"}
-    if missing:  # a new metric: it needs a group, or it would sort among the groups by its own name
-        raise KeyError(f"metrics {sorted(missing)} have no TensorBoard tag; add them to titanlite.metrics.TB_TAGS")
-    return {TB_TAGS[k]: v for k, v in row.items() if k != "step"}
+    """A metrics.jsonl row's scalars under their TensorBoard tags; a metric TB_TAGS lacks goes under
+    other/ (tests/test_metrics.py fails on any the trainer writes, so that is a stopgap, not a group)."""
+    return {TB_TAGS.get(k, f"other/{k}"): v for k, v in row.items() if k != "step"}
 
 
 class MetricsLogger:
@@ -263,7 +261,7 @@ class MetricsLogger:
         return row
 
     def _write(self, step: int, row: dict) -> None:
-        scalars = scalar_tags(row)  # on every rank, TensorBoard or not: a metric without a tag fails any run's test
+        scalars = scalar_tags(row)
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
