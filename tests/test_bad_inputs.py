@@ -335,16 +335,44 @@ def test_hugging_face_tensor_checks_name_the_tensor_and_its_file(name, tmp_path)
     from titanlite.checkpoint.hf import read_hf_config
     from titanlite.config import ConfigError
     from titanlite.models import model_args
+    from titanlite.checkpoint.hf import checked_hf_weights
     from titanlite.models.llama3 import hf as llama3_hf
+    from titanlite.models.llama3.model import Transformer
 
     change, words = HF_CASES[name]
     folder = tiny_llama_hf(tmp_path / "hf", 320, **{UP: change})
     args = model_args("llama3", "debugmodel", 259, 64, n_layers=2)  # the byte tokenizer's vocabulary, padded to 320
     with pytest.raises(ConfigError, match=re.escape(words)) as e:
-        llama3_hf.check_hf_shapes(read_hf_config(folder)[0], args, folder)
-        dict(llama3_hf.iter_hf(folder))  # the values: read when the weights load
+        dict(checked_hf_weights(llama3_hf.iter_hf, folder, Transformer, args))  # as the checkpointer loads them
     assert str(folder / "model.safetensors") in str(e.value)
-    llama3_hf.check_hf_shapes(read_hf_config(folder)[0], args, tiny_llama_hf(tmp_path / "good", 320))  # the unchanged file passes
+    good = tiny_llama_hf(tmp_path / "good", 320)  # the unchanged file passes
+    llama3_hf.check_hf_shapes(read_hf_config(good)[0], args, good)
+    dict(checked_hf_weights(llama3_hf.iter_hf, good, Transformer, args))
+
+
+def test_hugging_face_tensors_the_model_does_not_load_are_not_checked(tmp_path, corpus_jsonl):
+    """A folder may hold tensors the family's mapping never reads (a buffer, statistics): the trainer's
+    import loads the weights whatever their dtype or values, and only the model's weights are checked."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from titanlite.config import parse_args
+    from titanlite.trainer import Trainer
+
+    folder = tiny_llama_hf(tmp_path / "hf", 320)
+    tensors = load_file(str(folder / "model.safetensors"))
+    extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.arange(8), "model.layers.1.stats.weight": torch.full((4,), float("nan"))}
+    save_file(tensors | extra, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer = Trainer(parse_args(tiny_args(corpus_jsonl, tmp_path / "run", "--model.n_layers", "2")), torch.device("cpu"))
+        trainer.checkpointer.load_hf_weights(folder)
+    finally:
+        dist.destroy_process_group()
+    loaded = dict(trainer.model_parts[0].named_parameters())
+    assert torch.equal(loaded["tok_embeddings.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(loaded["layers.1.feed_forward.w3.weight"], tensors[UP])
 
 
 OVERRIDES = [  # (model.name, flavor, model.flavor_overrides, words of the rule)

@@ -4,6 +4,7 @@ DeepSeek's float8 release format, YaRN, and the shape checks. Layouts: test_para
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -156,6 +157,21 @@ def test_float8_release_weights_are_multiplied_out_by_their_block_scales(tmp_pat
     state = load_hf(tmp_path / "hf")
     assert torch.equal(state["layers.0.feed_forward.w1.weight"], expected["model.layers.0.mlp.gate_proj.weight"])
     assert torch.equal(state["layers.0.attention.wkv_b.weight"], expected["model.layers.0.self_attn.kv_b_proj.weight"])
+    # The trainer's checks read this format too: config.json, then the shapes from the headers (float8
+    # weights multiplied out on the meta device), and a float8 weight of another shape is refused.
+    from titanlite.checkpoint.hf import check_hf_tensors, read_hf_config
+    from titanlite.models.deepseek_v3.hf import check_hf_shapes, iter_hf
+    from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
+
+    check_hf_shapes(read_hf_config(tmp_path / "hf")[0], our_args(config), tmp_path / "hf")
+    check_hf_tensors(iter_hf, tmp_path / "hf", DeepSeekV3Transformer, our_args(config))
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    short = tensors | {kv_b: tensors[kv_b][:-8], kv_b + "_scale_inv": tensors[kv_b + "_scale_inv"]}
+    save_file(short, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    rows, cols = tensors[kv_b].shape
+    with pytest.raises(ConfigError, match=re.escape(f"gives layers.0.attention.wkv_b.weight shape [{rows - 8}, {cols}], "
+                                                     f"the model being trained [{rows}, {cols}]")):
+        check_hf_tensors(iter_hf, tmp_path / "hf", DeepSeekV3Transformer, our_args(config))
 
     del tensors["model.layers.0.mlp.gate_proj.weight_scale_inv"]
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})

@@ -45,7 +45,7 @@ from titanlite.checkpoint.paths import UNFINISHED_DIR, checkpoint_folder, checkp
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.float8 import plain_tensor
-from titanlite.checkpoint.hf import SHARD_BYTES, read_hf_config
+from titanlite.checkpoint.hf import SHARD_BYTES, checked_hf_weights, read_hf_config
 from titanlite.metrics import log_line
 from titanlite.models.common.fqn import canonical_fqn
 from titanlite.parallel.parallelize import DTYPES, assign_full_value
@@ -334,13 +334,15 @@ class Checkpointer:
         return "train_state" in keys or path.name == "step-0"
 
     def load_hf_weights(self, folder: Path) -> None:
-        """Model weights from Hugging Face safetensors: every rank reads them one tensor at a time and
-        keeps its shard of the parameters it holds."""
+        """Model weights from Hugging Face safetensors: config.json, then every tensor's shape and dtype
+        from the files' headers, are checked; every rank reads them one tensor at a time (their values
+        checked) and keeps its shard of the parameters it holds."""
         t = self.trainer
-        t.plan.hf.check_hf_shapes(read_hf_config(folder)[0], t.model_parts[0].args, folder)
+        args = t.model_parts[0].args
+        t.plan.hf.check_hf_shapes(read_hf_config(folder)[0], args, folder)
         params = {canonical_fqn(name): p for part in t.model_parts for name, p in part.named_parameters()}
         missing = set(params)
-        for name, tensor in t.plan.hf.iter_hf(folder):
+        for name, tensor in checked_hf_weights(t.plan.hf.iter_hf, folder, t.plan.build, args):
             if name in params:
                 assign_full_value(params[name], tensor.to(params[name].dtype))
                 missing.discard(name)

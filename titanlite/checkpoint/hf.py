@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -80,52 +81,41 @@ def check_hf_files(folder: Path) -> None:
             ) from None
 
 
-class HeadersOnly(type(Path())):  # Path's concrete class: Python 3.11 cannot subclass Path itself
-    """A Hugging Face folder whose tensors hf_tensors gives as meta tensors of the files' shapes and
-    dtypes, reading no data: a family's mapping (iter_hf) then runs through it in moments. `read`:
-    the name and file of the tensor given last, which a shape that does not fit is blamed on."""
-
-    read: tuple[str, Path] | None = None
-
-
-def hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) of every weight in a folder, one tensor in memory at a time; a
-    tensor that is not floating point or holds NaN or infinity stops the run in one line naming it
-    and its file (it would train, and its first step would blame the learning rate)."""
+def hf_tensors(folder: Path, headers_only: bool = False, origin: list | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every tensor in a folder, one in memory at a time. `headers_only`:
+    meta tensors of the files' shapes and dtypes, reading no data (a family's iter_hf then runs through
+    the folder in moments); `origin` gets the (name, file) of each tensor as it is read, to blame a
+    weight that does not fit on."""
     from safetensors import safe_open
 
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                if isinstance(folder, HeadersOnly):
+                if origin is not None:
+                    origin.append((key, path))
+                if headers_only:
                     part = f.get_slice(key)
-                    folder.read = key, path
                     yield key, torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES.get(part.get_dtype(), torch.int64), device="meta")
-                    continue
-                t = f.get_tensor(key)
-                bad = "is not floating point" if not t.dtype.is_floating_point else "" if torch.isfinite(
-                    t if t.dtype.itemsize > 1 else t.float()).all() else "holds NaN or infinity"  # float8: no isfinite
-                if bad:
-                    raise ConfigError(f"Hugging Face weights '{path}': tensor {key} ({t.dtype}) {bad}; the file is damaged "
-                                      "or not these model weights: copy it again from its source")
-                yield key, t
+                else:
+                    yield key, f.get_tensor(key)
 
 
 # safetensors' dtype names of the floating types (any other reads as int64: not floating point).
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+FINITE_CHUNK = 1 << 24  # elements isfinite looks at a time: a 16 MB mask, not one the size of the tensor
 
 
-def check_hf_tensors(iter_hf: Callable, folder: Path, build: Callable, args) -> None:
-    """Every tensor a family's mapping (`iter_hf`) takes from a Hugging Face folder is floating point
-    and has the shape of the parameter it loads into (of `build(args)` on the meta device), checked
-    from the files' headers before any weight is read; ConfigError naming the tensor and its file."""
+def check_hf_tensors(iter_hf: Callable, folder: Path, build: Callable, args) -> set[str]:
+    """Every tensor a family's mapping (`iter_hf(folder, read)`) loads into a parameter of `build(args)`
+    (built on the meta device) is floating point and of that parameter's shape, checked from the files'
+    headers before any weight is read; ConfigError naming the tensor and its file. The parameters' names."""
     with torch.device("meta"):
         expected = dict(build(args).named_parameters())
-    headers = HeadersOnly(folder)
+    origin = []
     try:
-        for name, t in iter_hf(headers):
-            key, path = headers.read
+        for name, t in iter_hf(folder, partial(hf_tensors, headers_only=True, origin=origin)):
+            key, path = origin[-1]
             if name in expected and (tuple(t.shape) != tuple(expected[name].shape) or not t.dtype.is_floating_point):
                 found = f"shape {list(t.shape)}" if t.dtype.is_floating_point else f"a {t.dtype} (not floating point) tensor"
                 raise ConfigError(
@@ -133,9 +123,30 @@ def check_hf_tensors(iter_hf: Callable, folder: Path, build: Callable, args) -> 
                     f"{list(expected[name].shape)}; use the checkpoint of this model.flavor (and model.flavor_overrides)"
                 )
     except RuntimeError as e:  # a tensor the mapping cannot even reshape (a head split, experts stacked)
-        key, path = headers.read
+        key, path = origin[-1]
         raise ConfigError(f"Hugging Face weights '{path}': tensor {key} does not fit the model being trained "
                           f"({str(e).splitlines()[0]}); use the checkpoint of this model.flavor") from None
+    return set(expected)
+
+
+def checked_hf_weights(iter_hf: Callable, folder: Path, build: Callable, args) -> Iterator[tuple[str, torch.Tensor]]:
+    """(titanlite name, tensor) of a family's weights in a Hugging Face folder (check_hf_tensors first),
+    stopping at one holding NaN or infinity in one line naming the tensor(s) it came from and their file
+    (it would train, and its first step would blame the learning rate). Only weights that load into
+    the model are checked; every rank checks all of them (each reads them whole anyway), so all ranks
+    stop together rather than one rank while the others wait in a collective."""
+    loaded = check_hf_tensors(iter_hf, folder, build, args)
+    origin, start = [], 0
+    for name, t in iter_hf(folder, partial(hf_tensors, origin=origin)):
+        sources, start = origin[start:] or origin[-1:], len(origin)  # read since the last weight (gate_up: two from one)
+        values = t.reshape(-1)
+        if name in loaded and not all(torch.isfinite(part if part.dtype.itemsize > 1 else part.float()).all()  # float8: no isfinite
+                                      for part in values.split(FINITE_CHUNK)):
+            (key, path), many = sources[-1], len(sources) > 1
+            which = f"one of the {len(sources)} tensors read into {name} ({sources[0][0]} .. {key})" if many else f"tensor {key}"
+            raise ConfigError(f"Hugging Face weights '{path}': {which} ({t.dtype}) holds NaN or infinity; the file is "
+                              "damaged or not these model weights: copy it again from its source")
+        yield name, t
 
 
 def check_config_values(config: dict, expected: dict, folder: Path) -> None:

@@ -10,15 +10,15 @@ one scale per 128x128 block: import multiplies them out (titanlite/checkpoint/hf
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from titanlite.errors import ConfigError
-from titanlite.checkpoint.hf import SHARD_BYTES, check_hf_tensors, dequantized, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, dequantized, hf_tensors, read_hf_config, write_shards
 from titanlite.models.common.args import SET_ELSEWHERE
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args, check_hf_exportable
-from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.moe.hf import EXPERT_NAMES, HF_EXPERT_NAMES
 
@@ -158,7 +158,6 @@ def check_hf_shapes(config: dict, args: DeepSeekV3Args, folder: Path) -> None:
     theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
     check("rope_theta", "rope_theta", 10000.0 if theta is None else theta, args.rope_theta, theta is None)
     check_yarn(rope, config, args, folder, check)
-    check_hf_tensors(iter_hf, folder, DeepSeekV3Transformer, args)
 
 
 def check_yarn(rope: dict, config: dict, args: DeepSeekV3Args, folder: Path, check) -> None:
@@ -193,7 +192,7 @@ def check_yarn(rope: dict, config: dict, args: DeepSeekV3Args, folder: Path, che
         check(f"rope_scaling.{key}", field, found[key], getattr(args, field), not rope.get(key))
 
 
-def iter_hf(folder: Path):
+def iter_hf(folder: Path, read: Callable = hf_tensors):
     """(titanlite name, tensor) of each weight, one tensor in memory at a time (routed experts: one
     projection of one layer, gathered from its experts' weights; float8 weights multiplied out). MTP
     layers, where the file has them, load into the model's MTP modules (their copies of the shared
@@ -201,7 +200,7 @@ def iter_hf(folder: Path):
     config, _, _ = read_hf_config(folder)
     n_layers, experts = config["num_hidden_layers"], config.get("n_routed_experts")
     gathering: dict[str, dict[int, torch.Tensor]] = {}
-    for key, tensor in dequantized(hf_tensors(folder), folder):
+    for key, tensor in dequantized(read(folder), folder):
         if key in llama3_hf.HF_TOP_NAMES:
             yield llama3_hf.HF_TOP_NAMES[key], tensor
             continue

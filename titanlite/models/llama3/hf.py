@@ -8,13 +8,13 @@ them) are permuted accordingly. The files themselves: titanlite/checkpoint/hf.py
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, check_hf_tensors, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
 from titanlite.models.common.args import ModelArgs
-from titanlite.models.llama3.model import Transformer
 
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -131,12 +131,11 @@ def save_hf(read, sizes: dict[str, int], args: ModelArgs, folder: Path, dtype: t
 def check_hf_shapes(config: dict, args: ModelArgs, folder: Path) -> None:
     """ConfigError naming the first config.json value that differs from the model being trained."""
     check_config_values(config, expected_config(args, config), folder)
-    check_hf_tensors(iter_hf, folder, Transformer, args)
 
 
-def iter_hf(folder: Path):
+def iter_hf(folder: Path, read: Callable = hf_tensors):
     """(titanlite name, tensor) of each weight in a Hugging Face folder, one tensor in memory at a time."""
     _, heads, kv_heads = read_hf_config(folder)
-    for key, tensor in hf_tensors(folder):
+    for key, tensor in read(folder):
         if converted := from_hf_tensor(key, tensor, heads, kv_heads):
             yield converted

@@ -11,15 +11,15 @@ The files themselves: titanlite/checkpoint/hf.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, check_hf_tensors, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
 from titanlite.errors import ConfigError
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.llama4.args import Llama4Args, check_hf_exportable
-from titanlite.models.llama4.model import Llama4Transformer
 from titanlite.models.moe.hf import EXPERT_NAMES
 
 LAYER_NAMES = {
@@ -167,14 +167,13 @@ def check_hf_shapes(config: dict, args: Llama4Args, folder: Path) -> None:
     # floor_scale as the model has it: the config's integer would hide a fraction.
     ours = as_transformers_reads(config_json(args, torch.float32)) | {"floor_scale": args.floor_scale}
     check_config_values(as_transformers_reads(config), {key: (value, None) for key, value in ours.items()}, folder)
-    check_hf_tensors(iter_hf, folder, Llama4Transformer, args)
 
 
-def iter_hf(folder: Path):
+def iter_hf(folder: Path, read: Callable = hf_tensors):
     """(titanlite name, tensor) of each weight in a Hugging Face folder, one tensor in memory at a time
     (gate_up_proj: its two halves), and a zero expert bias per MoE block."""
     config, _, _ = read_hf_config(folder)
-    for key, tensor in hf_tensors(folder):
+    for key, tensor in read(folder):
         if key in llama3_hf.HF_TOP_NAMES:
             yield llama3_hf.HF_TOP_NAMES[key], tensor
             continue

@@ -8,16 +8,16 @@ Hub's layout, which transformers merges on load). Dense blocks are Qwen3-MoE's `
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, check_hf_tensors, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
 from titanlite.errors import ConfigError
 from titanlite.models.common.args import MoEArgs
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.moe.args import check_hf_exportable
-from titanlite.models.moe.model import MoETransformer
 
 LAYER_NAMES = llama3_hf.LAYER_NAMES | {"feed_forward.router.gate.weight": "mlp.gate.weight"}
 HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
@@ -82,16 +82,15 @@ def check_hf_shapes(config: dict, args: MoEArgs, folder: Path) -> None:
         "decoder_sparse_step": (1, 1),  # every block from n_dense_layers on is a MoE block
     }
     check_config_values(config | {"num_experts": num_experts(config)}, expected, folder)
-    check_hf_tensors(iter_hf, folder, MoETransformer, args)
 
 
-def iter_hf(folder: Path):
+def iter_hf(folder: Path, read: Callable = hf_tensors):
     """(titanlite name, tensor) of each weight, one tensor in memory at a time (routed experts: one
     projection of one layer, gathered from its experts' weights), and a zero expert bias per MoE
     block: Qwen3-MoE routes without one (ours starts, and for export stays, at zero)."""
     config, heads, kv_heads = read_hf_config(folder)
     gathering: dict[str, dict[int, torch.Tensor]] = {}
-    for key, tensor in hf_tensors(folder):
+    for key, tensor in read(folder):
         if expert := HF_EXPERT.match(key):
             layer, index, projection = expert.groups()
             name = f"layers.{layer}.feed_forward.experts.{HF_EXPERT_NAMES[projection]}"
