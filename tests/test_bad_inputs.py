@@ -350,6 +350,20 @@ def test_hugging_face_tensor_checks_name_the_tensor_and_its_file(name, tmp_path)
     dict(checked_hf_weights(llama3_hf.iter_hf, good, Transformer, args))
 
 
+def test_the_converter_refuses_non_finite_hugging_face_weights(tmp_path):
+    """scripts/convert_hf.py from-hf (load_hf) knows no model to check shapes against, but a NaN weight
+    still stops it in one line naming the tensor and its file."""
+    from titanlite.config import ConfigError
+    from titanlite.models.hf import load_hf
+
+    change, words = HF_CASES["nan"]
+    folder = tiny_llama_hf(tmp_path / "hf", 320, **{UP: change})
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        load_hf(folder)
+    assert str(folder / "model.safetensors") in str(e.value)
+    assert "layers.1.feed_forward.w3.weight" in load_hf(tiny_llama_hf(tmp_path / "good", 320))
+
+
 def test_hugging_face_tensors_the_model_does_not_load_are_not_checked(tmp_path, corpus_jsonl):
     """A folder may hold tensors the family's mapping never reads (a buffer, statistics): the trainer's
     import loads the weights whatever their dtype or values, and only the model's weights are checked."""

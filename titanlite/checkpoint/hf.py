@@ -130,18 +130,24 @@ def check_hf_tensors(iter_hf: Callable, folder: Path, build: Callable, args) -> 
 
 
 def checked_hf_weights(iter_hf: Callable, folder: Path, build: Callable, args) -> Iterator[tuple[str, torch.Tensor]]:
-    """(titanlite name, tensor) of a family's weights in a Hugging Face folder (check_hf_tensors first),
-    stopping at one holding NaN or infinity in one line naming the tensor(s) it came from and their file
-    (it would train, and its first step would blame the learning rate). Only weights that load into
-    the model are checked; every rank checks all of them (each reads them whole anyway), so all ranks
-    stop together rather than one rank while the others wait in a collective."""
-    loaded = check_hf_tensors(iter_hf, folder, build, args)
+    """(titanlite name, tensor) of a family's weights in a Hugging Face folder: check_hf_tensors first,
+    then finite_hf_weights over the weights that load into the model (only those are checked)."""
+    yield from finite_hf_weights(iter_hf, folder, check_hf_tensors(iter_hf, folder, build, args))
+
+
+def finite_hf_weights(iter_hf: Callable, folder: Path, loaded: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(titanlite name, tensor) of a family's weights in a Hugging Face folder, stopping at one of
+    `loaded` (default: all) holding NaN or infinity in one line naming the tensor(s) it came from and
+    their file (it would train, and its first step would blame the learning rate). Every rank checks
+    all of them (each reads them whole anyway), so all ranks stop together rather than one rank while
+    the others wait in a collective."""
     origin, start = [], 0
     for name, t in iter_hf(folder, partial(hf_tensors, origin=origin)):
         sources, start = origin[start:] or origin[-1:], len(origin)  # read since the last weight (gate_up: two from one)
         values = t.reshape(-1)
-        if name in loaded and not all(torch.isfinite(part if part.dtype.itemsize > 1 else part.float()).all()  # float8: no isfinite
-                                      for part in values.split(FINITE_CHUNK)):
+        if (loaded is None or name in loaded) and not all(
+                torch.isfinite(part if part.dtype.itemsize > 1 else part.float()).all()  # float8: no isfinite
+                for part in values.split(FINITE_CHUNK)):
             (key, path), many = sources[-1], len(sources) > 1
             which = f"one of the {len(sources)} tensors read into {name} ({sources[0][0]} .. {key})" if many else f"tensor {key}"
             raise ConfigError(f"Hugging Face weights '{path}': {which} ({t.dtype}) holds NaN or infinity; the file is "

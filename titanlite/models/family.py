@@ -44,7 +44,7 @@ class ParallelPlan:
     tp_plan: Callable  # (model, sequence_parallel, loss_parallel) -> {name: ParallelStyle} of head and tail
     block_tp_plan: Callable  # (block, sequence_parallel, float8_recipe or None) -> {name: ParallelStyle}
     compile_units: Callable  # (block, tp_enabled) -> the modules torch.compile wraps
-    # The family's Hugging Face mapping (models/<family>/hf.py): save_hf, iter_hf, check_hf_shapes, and
+    # The family's Hugging Face mapping (models/<family>/hf.py): save_hf, iter_hf(folder, read), check_hf_shapes, and
     # optionally OPTIONAL, prefixes of weights a Hugging Face file may lack (they keep their initialization).
     hf: ModuleType | None
     # Mixture of experts: the routed-expert modules (expert parallel shards them over experts, FSDP
