@@ -132,7 +132,9 @@ def test_the_combine_sums_each_tokens_outputs_in_a_fixed_order(score_before_expe
             row = flat[t] * weights[t, k] if score_before_experts else flat[t]
             y = (F.silu(row @ w1.t()) * (row @ w3.t())) @ w2.t()
             expected[t] += y if score_before_experts else weights[t, k] * y
-    torch.testing.assert_close(out.view(-1, 32), expected, rtol=1e-5, atol=1e-5)
+    # The hand sum runs other matmul kernels than the grouped GEMM: they round apart by a few ulps of the
+    # largest output (|35|: 1.3e-5 on this machine's CPU, whose kernels differ from the last one's).
+    torch.testing.assert_close(out.view(-1, 32), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 
 def test_the_experts_kernel_for_each_device():
