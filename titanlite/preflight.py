@@ -50,8 +50,11 @@ def check(config: JobConfig, world_size: int) -> None:
     if config.dry_run:
         return  # writes nothing, reads no data and loads no checkpoint
     check_writable_folder(config.job.dump_folder)
-    for key, folder, writes in output_folders(config):
-        check_folder_path(config, key, folder, writes)
+    for key, folder in output_folders(config):
+        check_folder_path(config, key, folder)
+    c = config.checkpoint
+    if c.enable and c.load_only and not c.create_seed_checkpoint:  # read, never written: a file there is still wrong
+        check_folder_path(config, "checkpoint.folder", checkpoint_folder(config), writes=False)
     if config.checkpoint.create_seed_checkpoint:
         return  # reads no data and loads no checkpoint
     split_source(config, "train")
@@ -64,19 +67,18 @@ def check(config: JobConfig, world_size: int) -> None:
         check_checkpoint_files(found[0], checkpoint_folder(config), own=found[1])
 
 
-def output_folders(config: JobConfig) -> list[tuple[str, Path, bool]]:
-    """(key, folder, written) of each folder the run uses besides the dump folder, resolved as the
-    trainer resolves it (inside job.dump_folder; an absolute name stands alone). The checkpoint folder
-    is only read under checkpoint.load_only: a read-only folder of shared checkpoints is right there."""
+def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
+    """(key, folder) of each folder the run will write into besides the dump folder, resolved as the
+    trainer resolves it (inside job.dump_folder; an absolute name stands alone)."""
     m, p, c = config.metrics, config.profiling, config.checkpoint
-    wanted = [  # (key, used, written)
-        ("checkpoint.folder", c.enable or c.create_seed_checkpoint, not c.load_only or c.create_seed_checkpoint),
-        ("metrics.save_tb_folder", m.enable_tensorboard, True),
-        ("profiling.save_traces_folder", p.enable_profiling, True),
-        ("profiling.save_memory_snapshot_folder", p.enable_memory_snapshot, True),
-        ("comm.save_traces_folder", config.comm.trace_buf_size > 0, True),  # NCCL's flight recorder, dumped on a timeout
+    wanted = [
+        ("checkpoint.folder", (c.enable and not c.load_only) or c.create_seed_checkpoint),  # load_only: never saves
+        ("metrics.save_tb_folder", m.enable_tensorboard),
+        ("profiling.save_traces_folder", p.enable_profiling),
+        ("profiling.save_memory_snapshot_folder", p.enable_memory_snapshot),
+        ("comm.save_traces_folder", config.comm.trace_buf_size > 0),  # NCCL's flight recorder, dumped on a timeout
     ]
-    return [(key, Path(config.job.dump_folder) / get(config, key), written) for key, used, written in wanted if used]
+    return [(key, Path(config.job.dump_folder) / get(config, key)) for key, on in wanted if on]
 
 
 def check_folder_path(config: JobConfig, key: str, folder: Path, writes: bool = True) -> None:
