@@ -254,7 +254,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
 
     # Validation: the trainer's loss over the first VALIDATION_STEPS global batches of the held-out
     # stream ("sequences" split: rank r reads rows r*B.. of each) against the reference's.
-    val_loss = trainer.validate()
+    val_loss = trainer.validate()[""]
     reference.eval()
     with torch.no_grad():
         loader = build_dataloader(config, trainer.tokenizer, 0, 1, split="validation")

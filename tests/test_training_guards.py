@@ -162,7 +162,7 @@ def _validate(dataset: str, folder: str, validation: str, overrides: list[str]) 
     from titanlite.trainer import Trainer
 
     config = parse_args(tiny_args(dataset, folder, "--validation.dataset", validation, "--validation.steps", "10", *overrides))
-    return Trainer(config, torch.device("cpu")).validate()
+    return Trainer(config, torch.device("cpu")).validate()[""]
 
 
 def _documents(path, byte_lengths: list[int]) -> str:

@@ -155,7 +155,16 @@ TB_TAGS = {
 def scalar_tags(row: dict) -> dict[str, float]:
     """A metrics.jsonl row's scalars under their TensorBoard tags; a metric TB_TAGS lacks goes under
     other/ (tests/test_metrics.py fails on any the trainer writes, so that is a stopgap, not a group)."""
-    return {TB_TAGS.get(k, f"other/{k}"): v for k, v in row.items() if k != "step"}
+    return {tag(k): v for k, v in row.items() if k != "step"}
+
+
+# Metrics named after a data source (training.dataset_mixture, validation.dataset_mixture).
+SOURCE_TAGS = {"tokens_seen_": "throughput/tokens_seen_", "val_loss_": "validation/loss_"}
+
+
+def tag(key: str) -> str:
+    prefix = next((p for p in SOURCE_TAGS if key.startswith(p)), None)
+    return SOURCE_TAGS[prefix] + key.removeprefix(prefix) if prefix else TB_TAGS.get(key, f"other/{key}")
 
 
 class MetricsLogger:
@@ -254,9 +263,13 @@ class MetricsLogger:
         self.reset()
         return row
 
-    def log_validation(self, step: int, loss: float) -> dict:
+    def log_validation(self, step: int, losses: dict[str, float]) -> dict:
+        """losses: {"": the loss} and each validation source's by its name."""
+        loss = losses[""]
         row = {"step": step, "val_loss": loss, "val_perplexity": float(torch.tensor(loss).exp())}
-        print(f"step {step:>6} | validation loss {loss:8.4f} | perplexity {row['val_perplexity']:10.2f}", flush=True)
+        row |= {f"val_loss_{name}": value for name, value in losses.items() if name}
+        sources = "".join(f" | {name} {value:.4f}" for name, value in losses.items() if name)
+        print(f"step {step:>6} | validation loss {loss:8.4f} | perplexity {row['val_perplexity']:10.2f}{sources}", flush=True)
         self._write(step, row)
         return row
 

@@ -22,7 +22,7 @@ from titanlite.checkpoint.paths import checkpoint_folder, checkpoint_to_load
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.keys import LEAVES, default_value, get
 from titanlite.errors import ConfigError
-from titanlite.data.sources import split_source
+from titanlite.data.sources import open_token_parts, token_parts
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.dump_folder import check_writable_folder
 from titanlite.models import FAMILIES, model_args
@@ -42,7 +42,7 @@ def check(config: JobConfig, world_size: int) -> None:
         from titanlite.parallel.pipeline import plan_stages
 
         plan_stages(config, family.plan, args.n_layers, dims.pp, pp_rank=0)
-    build_tokenizer(*config.tokenizer)
+    tokenizer = build_tokenizer(*config.tokenizer)
     if config.metrics.enable_wandb:
         check_wandb_installed()
     if config.fault_tolerance.enable:
@@ -57,14 +57,24 @@ def check(config: JobConfig, world_size: int) -> None:
         check_folder_path(config, "checkpoint.folder", checkpoint_folder(config), writes=False)
     if config.checkpoint.create_seed_checkpoint:
         return  # reads no data and loads no checkpoint
-    split_source(config, "train")
-    if config.validation.enable:
-        split_source(config, "validation")
+    for split, settings in (("train", t), ("validation", config.validation)):
+        if split == "train" or config.validation.enable:
+            check_data(config, split, settings, tokenizer)
     found = checkpoint_to_load(config)
     if found is not None:
         from titanlite.checkpoint.reader import check_checkpoint_files  # imports torch (DCP's metadata classes)
 
         check_checkpoint_files(found[0], checkpoint_folder(config), own=found[1])
+
+
+def check_data(config: JobConfig, split: str, settings, tokenizer) -> None:
+    """The split's source exists; token files are whole and were made with this run's tokenizer."""
+    parts = token_parts(config, split)
+    if parts is None:
+        return
+    section = "training" if split == "train" else "validation"
+    key = f"{section}.dataset_mixture" if settings.dataset_mixture else f"{section}.dataset_path"
+    open_token_parts(parts, tokenizer, settings.seq_len, key)
 
 
 def output_folders(config: JobConfig) -> list[tuple[str, Path]]:

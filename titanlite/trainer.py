@@ -23,6 +23,7 @@ from titanlite.checkpoint.checkpointer import Checkpointer
 from titanlite.config import JobConfig
 from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
+from titanlite.data.sources import token_parts
 from titanlite.fault_tolerance import FaultTolerance
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
@@ -397,13 +398,33 @@ class Trainer:
         batches = [next(data_iter) for _ in range(self.accumulation_steps)]
         return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
 
+    def validate(self) -> dict[str, float]:
+        """{"": the validation loss}; with validation.dataset_mixture also each source's loss by its name,
+        and "" their mean under the mixture's weights."""
+        v = self.config.validation
+        if not v.dataset_mixture:
+            return {"": self.evaluate(build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, "validation"))}
+        parts = [part for part, _ in token_parts(self.config, "validation")]
+        losses = {
+            part.name: self.evaluate(build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, "validation", i))
+            for i, part in enumerate(parts)
+        }
+        return {"": sum(float(part.weight) * losses[part.name] for part in parts)} | losses
+
+    def source_tokens(self) -> dict[str, int]:
+        """Tokens seen per source of training.dataset_mixture, from its schedule (no collective)."""
+        windows, seq_len = self.dataloader.dataset, self.config.training.seq_len
+        if not self.config.training.dataset_mixture:
+            return {}
+        counts = windows.samples_per_source(self.tokens_seen // seq_len)
+        return {f"tokens_seen_{source.stream.name}": int(n) * seq_len for source, n in zip(windows.sources, counts)}
+
     @torch.no_grad()
-    def validate(self) -> float:
+    def evaluate(self, loader) -> float:
         v = self.config.validation
         self.before_step()
         for part in self.model_parts:
             part.eval()
-        loader = build_dataloader(self.config, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
         self.loss_scale = 1  # summed losses
         loss_sum, tokens = torch.zeros((), device=self.device), 0
         batches = iter(loader)
@@ -425,7 +446,7 @@ class Trainer:
 
     def step_extras(self) -> dict[str, float] | None:
         """What a log step shows beyond the loss: a MoE's balance, the MTP loss. Collective: every rank calls it."""
-        extras = (self.stage_balance() or {}) | (self.ft.metrics() if self.ft else {})
+        extras = (self.stage_balance() or {}) | (self.ft.metrics() if self.ft else {}) | self.source_tokens()
         if self.mtp_depth:
             extras["mtp_loss"] = self.global_loss(self.mtp_loss)
         return extras or None

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint.reader import DamagedCheckpoint, damaged_checkpoint_line, load_checked, read_tensor_metadata
 from titanlite.checkpoint.paths import UNFINISHED_DIR, checkpoint_folder, checkpoint_to_load, complete_steps, is_hf_checkpoint
 from titanlite.config import JobConfig
+from titanlite.data.windows import MixedWindows
 from titanlite.errors import ConfigError
 from titanlite.float8 import plain_tensor
 from titanlite.checkpoint.hf import SHARD_BYTES, checked_hf_weights, read_hf_config
@@ -155,7 +156,8 @@ class Checkpointer:
             dtype = dtype or DTYPES[self.c.export_dtype]
             return {"model": model_state(t.model_parts, dtype if dtype != torch.float32 else None)}
         workers = t.config.training.dataloader.num_workers
-        loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict(), "step": t.step}
+        loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict(), "step": t.step,
+                  "token_files": isinstance(t.dataloader.dataset, MixedWindows)}
         if data_only:
             return {"dataloader": {f"dp{t.dp_rank}": json_tensor(loader)}}
         train = {
@@ -428,8 +430,15 @@ class Checkpointer:
                 f"data position NOT restored: saved with training.dataloader.num_workers={old_workers}, now {workers}; "
                 "the data starts from the beginning (model, optimizer, step and lr schedule are restored)"
             )
+        elif isinstance(t.dataloader.dataset, MixedWindows) != saved_state.get("token_files", False):
+            log_line("data position NOT restored: it was saved from text and is read now from token files, or the other "
+                     "way round; the data starts from the beginning (model, optimizer, step and lr schedule are restored)")
         elif old_degree == t.dp_degree:
             t.dataloader.load_state_dict(states[t.dp_rank]["state"])
+        elif isinstance(t.dataloader.dataset, MixedWindows) and workers == 0:
+            # Token files: the position is the next global sample, the same on every rank and layout.
+            t.dataloader.load_state_dict(saved_state["state"])
+            log_line(f"data position kept from {old_degree} to {t.dp_degree} data-parallel ranks")
         elif t.config.training.data_split == "sequences":
             # Every rank read the whole stream; the last rank's position is past every consumed window.
             t.dataloader.load_state_dict(states[old_degree - 1]["state"])

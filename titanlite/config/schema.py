@@ -165,9 +165,20 @@ class Training:
     dataset: str = opt(
         "shakespeare",
         "'shakespeare' (built in), 'c4' (allenai/c4 en, streamed), a Hugging Face hub dataset name, or a local "
-        "file/folder/glob (.jsonl, .jsonl.gz, .parquet, .txt)",
+        "file/folder/glob (.jsonl, .jsonl.gz, .parquet, .txt); or token files: a folder prepared by "
+        "`python -m titanlite.data.prepare`, a Megatron prefix (PREFIX.bin + PREFIX.idx), OLMo .npy files",
     )
     dataset_path: str | None = opt(None, "local file, folder or glob to read `dataset` from")
+    dataset_mixture: list[str] = opt(
+        [], "token-file sources mixed by weight, in Megatron's blend notation: 'WEIGHT PATH' items, e.g. "
+        "'0.7 /data/web,0.3 /data/code' (weights normalized; a path is a prepared folder, a Megatron prefix or "
+        "OLMo .npy files); replaces dataset and dataset_path", extension=True,
+    )
+    dataset_shuffle: bool = opt(
+        True, "token files are read in a seeded permutation of their windows (text streams in its stored order)",
+        extension=True,
+    )
+    dataset_seed: int = opt(0, "seed of the token files' permutation (the same on every layout)", extension=True)
     local_batch_size: int = opt(8, "sequences per data-parallel rank per microbatch")
     loss_chunks: int = opt(1, "the output projection and cross entropy over this many pieces of the tokens, never the whole logits (1: whole)", extension=True)
     global_batch_size: int = opt(
@@ -396,6 +407,10 @@ class Validation:
         "(TorchTitan's default is its c4_validation)"
     )
     dataset_path: str | None = opt(None, "local path for the validation dataset")
+    dataset_mixture: list[str] = opt(
+        [], "held-out token-file sources, as training.dataset_mixture: each gets its own loss, and the "
+        "validation loss is their weighted mean", extension=True,
+    )
     local_batch_size: int = opt(8, "sequences per data-parallel rank per validation batch")
     seq_len: int = opt(2048, "tokens per validation sequence")
     freq: int = opt(10, "evaluate every N steps (and at the last step)")

@@ -157,6 +157,12 @@ def validate(config: JobConfig) -> None:
         f"training.dataloader.num_workers={t.dataloader.num_workers} with training.data_split='sequences': workers "
         "would each read a part of the one stream every rank reads in full; use num_workers <= 1 or data_split='documents'",
     )
+    for key, settings in (("training", t), ("validation", v)):
+        _require(
+            not (settings.dataset_mixture and settings.dataset_path),
+            f"{key}.dataset_mixture and {key}.dataset_path='{settings.dataset_path}' are both set; the mixture names "
+            "its own paths: drop one",
+        )
     for key, loader in (("training.dataloader", t.dataloader), ("validation.dataloader", v.dataloader)):
         _require(loader.num_workers >= 0, f"{key}.num_workers={loader.num_workers} must be >= 0")
         _require(

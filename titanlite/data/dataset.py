@@ -9,6 +9,7 @@ and restored exactly.
 from __future__ import annotations
 
 import warnings
+from fractions import Fraction
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -18,8 +19,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.data.corpus import shakespeare_files
-from titanlite.data.sources import Source, resolve_source, split_source
+from titanlite.data.sources import Source, open_token_parts, resolve_source, split_source, token_parts
 from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.windows import MixedWindows
 
 # torchdata 0.11 calls a deprecated torch API on every loader; nothing for users to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -136,15 +138,19 @@ class TokenWindows(IterableDataset, Stateful):
 
 
 def build_dataloader(
-    config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: str = "train"
+    config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: str = "train", part: int = 0
 ) -> StatefulDataLoader:
     """The loader of one data-parallel rank. tp/cp/pp peers pass the same dp_rank and read the same rows.
-    Training reads [training] (batch, seq_len, [training.dataloader]); validation reads [validation]."""
+    Training reads [training] (batch, seq_len, [training.dataloader]); validation reads [validation],
+    from token files one source (`part`) at a time."""
     from datasets.distributed import split_dataset_by_node
 
     t = config.training
     settings = t if split == "train" else config.validation
     loader = settings.dataloader
+    parts = token_parts(config, split)
+    if parts is not None:
+        return token_loader(config, tokenizer, parts, dp_rank, dp_degree, split, part)
     source = split_source(config, split)
     documents = open_source(source, split)
     if t.data_split == "documents":
@@ -164,10 +170,32 @@ def build_dataloader(
     )
     # drop_last: a partial batch would not split into pipeline microbatches, and ranks must agree on
     # the number of batches of a finite (validation) stream.
+    return stateful_loader(windows, loader, settings.local_batch_size)
+
+
+def token_loader(config: JobConfig, tokenizer: Tokenizer, parts, dp_rank: int, dp_degree: int, split: str, part: int):
+    """Training: the sources mixed by weight, endless, shuffled per training.dataset_shuffle. Validation:
+    source `part`'s windows once, in order. Either way the windows yield whole microbatches."""
+    t = config.training
+    settings, section = (t, "training") if split == "train" else (config.validation, "validation")
+    key = f"{section}.dataset_mixture" if settings.dataset_mixture else f"{section}.dataset_path"
+    streams = open_token_parts(parts, tokenizer, settings.seq_len, key)
+    batch = settings.local_batch_size
+    if split == "train":
+        weights = [p.weight for p, _ in parts]
+        windows = MixedWindows(streams, weights, t.seq_len, batch, dp_rank, dp_degree, t.dataset_shuffle, t.dataset_seed)
+    else:
+        whole = streams[part].tokens // (settings.seq_len + 1)
+        windows = MixedWindows([streams[part]], [Fraction(1)], settings.seq_len, batch, dp_rank, dp_degree, False, 0, whole)
+    return stateful_loader(windows, settings.dataloader, None)
+
+
+def stateful_loader(windows, loader, batch_size: int | None) -> StatefulDataLoader:
+    """batch_size None: the windows yield whole microbatches themselves."""
     return StatefulDataLoader(
         windows,
-        batch_size=settings.local_batch_size,
-        drop_last=True,
+        batch_size=batch_size,
+        drop_last=batch_size is not None,
         num_workers=loader.num_workers,
         persistent_workers=loader.persistent_workers,
         pin_memory=loader.pin_memory and torch.cuda.is_available(),

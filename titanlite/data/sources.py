@@ -1,5 +1,6 @@
 """Where a dataset's documents come from, decided without torch or `datasets`, so `run_train.sh`
-can check a config before any process starts: the built-in corpus, local files, or the hub."""
+can check a config before any process starts: the built-in corpus, local files, the hub, or token
+files (a prepared folder, a Megatron prefix, OLMo numpy files: formats.py reads them)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ import os
 import socket
 import zlib
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from urllib.parse import urlparse
 
 from titanlite.config import JobConfig
+from titanlite.data.formats import MANIFEST, TokenStream, open_megatron, open_numpy, open_prepared
+from titanlite.data.mixture import Part, parse_mixture, source_name
 from titanlite.errors import ConfigError
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".npy": "numpy"}
+TOKEN_KINDS = ("prepared", "megatron", "numpy")  # read by offset from token files, not tokenized
 
 
 @dataclass(frozen=True)
 class Source:
-    kind: str  # "builtin", "files" or "hub"
+    kind: str  # "builtin", "files", "hub", or one of TOKEN_KINDS
     name: str  # the dataset name, or the local location
     files: tuple[str, ...] = ()
     builder: str = ""  # the `datasets` builder of local files
@@ -136,14 +141,21 @@ def resolve_source(name: str, path: str | None, section: str = "training") -> So
         check_hub_reachable(name, section)
         return TORCHTITAN_DATASETS[name]
     location = os.path.expanduser(path or name)
+    if os.path.isfile(os.path.join(location, MANIFEST)):
+        return Source("prepared", location)
+    prefix = location.removesuffix(".bin").removesuffix(".idx")
+    if os.path.isfile(prefix + ".idx") or os.path.isfile(prefix + ".bin"):
+        return Source("megatron", prefix)
     files = local_files(location)
     if files:
         builders = {file_builder(f) for f in files}
         if len(builders) != 1 or None in builders:
             raise ConfigError(
                 f"{section}.dataset_path='{location}' mixes or lacks supported file types {sorted(builders, key=str)}; "
-                "use one of .jsonl, .jsonl.gz, .parquet, .txt"
+                "use one of .jsonl, .jsonl.gz, .parquet, .txt, or .npy token files"
             )
+        if builders == {"numpy"}:
+            return Source("numpy", location, tuple(files), "numpy")
         check_files_readable(files, f"{section}.dataset_path" if path else f"{section}.dataset")
         return Source("files", location, tuple(files), builders.pop())
     looks_local = name.startswith(("/", ".", "~")) or any(c in name for c in "*?[") or file_builder(name)
@@ -153,6 +165,28 @@ def resolve_source(name: str, path: str | None, section: str = "training") -> So
     return Source("hub", name)
 
 
+def token_parts(config: JobConfig, split: str) -> list[tuple[Part, Source]] | None:
+    """The weighted token-file sources of the split (dataset_mixture's parts, or its one dataset at
+    weight 1), or None where the split reads text (tokenized as it streams)."""
+    settings = config.training if split == "train" else config.validation
+    key = f"{'training' if split == 'train' else 'validation'}.dataset_mixture"
+    if not settings.dataset_mixture:
+        source = split_source(config, split)
+        return [(Part(source_name(source.name), Fraction(1), source.name), source)] if source.kind in TOKEN_KINDS else None
+    parts = []
+    for part in parse_mixture(settings.dataset_mixture, key):
+        if not os.path.exists(part.path) and not glob.glob(part.path + "*"):
+            raise ConfigError(f"{key}: source '{part.path}' does not exist; fix the path or drop the part")
+        source = resolve_source(part.path, part.path, key.split(".")[0])
+        if source.kind not in TOKEN_KINDS:
+            raise ConfigError(
+                f"{key}: source '{part.path}' is text ({source.kind}); a mixture reads token files: prepare it first "
+                "with `python -m titanlite.data.prepare`, or give a Megatron prefix or OLMo .npy files"
+            )
+        parts.append((part, source))
+    return parts
+
+
 def split_source(config: JobConfig, split: str) -> Source:
     """The source of the training or validation split. Validation reads `validation.dataset(_path)`,
     else the held-out part of the training dataset, which only the built-in corpus and the hub have."""
@@ -160,9 +194,43 @@ def split_source(config: JobConfig, split: str) -> Source:
     if split == "validation" and (v.dataset or v.dataset_path):
         return resolve_source(v.dataset or t.dataset, v.dataset_path, "validation")
     source = resolve_source(t.dataset, t.dataset_path)
-    if split == "validation" and source.kind == "files":
+    if split == "validation" and (source.kind == "files" or source.kind in TOKEN_KINDS):
         raise ConfigError(
             f"validation.enable=true but validation.dataset is empty and training.dataset='{t.dataset}' is local "
-            "files with no held-out part; set validation.dataset or validation.dataset_path"
+            "files with no held-out part; set validation.dataset, validation.dataset_path or validation.dataset_mixture"
         )
     return source
+
+
+def open_token_parts(parts: list[tuple[Part, Source]], tokenizer, seq_len: int, key: str) -> list[TokenStream]:
+    """Each part's token stream, checked against the run: a prepared folder's tokenizer and vocabulary,
+    the same tokenizer across a mixture, at least one whole window per source; ConfigError naming `key`."""
+    streams = []
+    for part, source in parts:
+        if source.kind == "prepared":
+            stream = open_prepared(Path(source.name), part.name)
+        elif source.kind == "megatron":
+            stream = open_megatron(source.name, part.name)
+        else:
+            stream = open_numpy(list(source.files), part.name, tokenizer.vocab_size)
+        if stream.tokens < seq_len + 1:
+            raise ConfigError(
+                f"{key}: source '{part.path}' holds {stream.tokens} tokens, less than one window of seq_len + 1 = "
+                f"{seq_len + 1}; give more data or a shorter seq_len"
+            )
+        streams.append(stream)
+    prepared = [(part, s.manifest["tokenizer"]) for (part, _), s in zip(parts, streams) if s.manifest]
+    for (part, made_with), (other, other_made_with) in zip(prepared, prepared[1:]):
+        if (made_with["vocab_size"], made_with["sha256"]) != (other_made_with["vocab_size"], other_made_with["sha256"]):
+            raise ConfigError(
+                f"{key}: sources '{part.path}' and '{other.path}' were prepared with different tokenizers (vocabulary "
+                f"{made_with['vocab_size']} vs {other_made_with['vocab_size']}); prepare them with one tokenizer"
+            )
+    for part, made_with in prepared:
+        if (made_with["vocab_size"], made_with["sha256"]) != (tokenizer.vocab_size, tokenizer.fingerprint):
+            raise ConfigError(
+                f"{key}: '{part.path}' was prepared with another tokenizer (vocabulary {made_with['vocab_size']}, "
+                f"sha256 {made_with['sha256'][:12]}) than this run's (vocabulary {tokenizer.vocab_size}, sha256 "
+                f"{tokenizer.fingerprint[:12]}); set model.hf_assets_path='{made_with['location']}' or prepare it again"
+            )
+    return streams

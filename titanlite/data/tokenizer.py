@@ -7,6 +7,7 @@ package and `scripts/train_tokenizer.py` rebuilds it bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class Tokenizer:
     vocab_size: int
     bos_id: int
     eos_id: int
+    fingerprint: str = "byte"  # sha256 of its files: a prepared folder records the one it was made with
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         ids = self._encode(text)
@@ -126,7 +128,12 @@ def build_tokenizer(location: str, key: str = "model.hf_assets_path") -> Tokeniz
     path = tokenizer_file(location, key)
     if path is None:
         return ByteTokenizer()
-    return HFTokenizer(path, key) if path.suffix == ".json" else TiktokenTokenizer(path, key)
+    tokenizer = HFTokenizer(path, key) if path.suffix == ".json" else TiktokenTokenizer(path, key)
+    digest = hashlib.sha256(path.read_bytes())
+    if (path.parent / "tokenizer_config.json").is_file():  # it can rename BOS and EOS
+        digest.update((path.parent / "tokenizer_config.json").read_bytes())
+    tokenizer.fingerprint = digest.hexdigest()
+    return tokenizer
 
 
 def tokenizer_file(location: str, key: str = "model.hf_assets_path") -> Path | None:
