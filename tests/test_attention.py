@@ -41,6 +41,16 @@ def test_document_layout_with_one_token_for_bos_and_eos():
     assert positions.tolist() == [[0, 1, 0, 1, 2, 3, 0, 1]]
 
 
+def test_document_layout_of_token_files_that_end_documents_with_eos_alone():
+    """Megatron's and OLMo's files: no BOS, EOS ends each document, and the token after it starts the
+    next; with BOS and EOS both present (titanlite's own) the BOS after an EOS starts it once."""
+    E = 2
+    ids, positions = document_layout(torch.tensor([[5, E, 6, 7, E, 8]]), BOS, reset_positions=True, eos_id=E)
+    assert ids.tolist() == [[0, 0, 1, 1, 1, 2]] and positions.tolist() == [[0, 1, 0, 1, 2, 0]]
+    ids, _ = document_layout(torch.tensor([[5, E, BOS, 7, E, BOS]]), BOS, reset_positions=False, eos_id=E)
+    assert ids.tolist() == [[0, 0, 1, 1, 1, 2]]
+
+
 def packed_windows(vocab: int, rows: int, seq_len: int, documents_per_row: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(2, vocab, (rows, seq_len + 1), generator=gen)

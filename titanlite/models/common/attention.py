@@ -31,15 +31,16 @@ def document_layout(
     tokens: torch.Tensor, bos_id: int, reset_positions: bool, eos_id: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(document ids, positions), each (batch, seq), of packed windows: a document starts at each BOS
-    (a window's first tokens may be the tail of an earlier one). Where BOS and EOS are one token
+    and after each EOS (Megatron's and OLMo's token files end documents with EOS and have no BOS; a
+    window's first tokens may be the tail of an earlier one). Where BOS and EOS are one token
     (GPT-2's and Qwen's <|endoftext|>), documents are joined by pairs of it, and the second one
     starts the next document. Positions count from the window's start, or with `reset_positions`
     from each document's (its first token is at 0, as if alone)."""
     starts = tokens == bos_id
-    if eos_id == bos_id:
-        after_eos = torch.ones_like(starts)
+    if eos_id is not None:
+        after_eos = torch.full_like(starts, eos_id == bos_id)  # the first token: after an EOS, maybe
         after_eos[:, 1:] = tokens[:, :-1] == eos_id
-        starts &= after_eos
+        starts = starts & after_eos if eos_id == bos_id else starts | after_eos
     document_ids = starts.cumsum(dim=1)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     if reset_positions:
