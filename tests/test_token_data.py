@@ -212,3 +212,203 @@ def test_the_data_position_survives_a_change_of_data_parallel_degree(sources):
     after = [torch.cat([next(it)[0] for it in iterators]) for _ in range(3)]
     assert len(first + after) == len(reference)
     assert all(torch.equal(a, b) for a, b in zip(first + after, reference))
+
+
+MEGATRON = r"""
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import numpy, torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+prefix, prepared = sys.argv[1], sys.argv[2]
+builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+builder.add_item(torch.tensor([5, 6, 7, 258])); builder.add_item(torch.tensor([8, 9, 258])); builder.end_document()
+for document in json.loads(sys.argv[3]):
+    builder.add_document(torch.tensor(document), lengths=[len(document)])
+builder.finalize(prefix + ".idx")
+written, ours = IndexedDataset(prefix), IndexedDataset(prepared)
+print(json.dumps({"written": [written[i].copy().tolist() for i in range(len(written))],
+                  "documents": len(written.document_indices) - 1,
+                  "ours": [ours[i].copy().tolist() for i in range(len(ours))]}))
+"""
+
+
+def test_megatron_files_read_as_megatron_core_reads_them_and_ours_read_in_megatron_core(sources, tmp_path):
+    """megatron-core's own IndexedDatasetBuilder writes a dataset (a document of two sequences, then
+    documents of one) and its IndexedDataset reads it back: titanlite's stream is those sequences end
+    to end, and its windows are cut from that stream. The other way, megatron-core reads a prepared
+    shard as the byte tokenizer's documents (BOS, bytes, EOS)."""
+    from titanlite.data.formats import open_megatron
+
+    rng = random.Random(0)
+    documents = [[rng.randrange(256) for _ in range(rng.randint(5, 80))] + [258] for _ in range(40)]
+    out = subprocess.run([sys.executable, "-c", MEGATRON, str(tmp_path / "mega"), str(sources["code"] / "part-00000"),
+                          json.dumps(documents)], capture_output=True, text=True, env=OFFLINE, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    read = json.loads(out.stdout.strip().splitlines()[-1])
+    assert read["documents"] == 41 and read["written"][2:] == documents
+    stream = open_megatron(str(tmp_path / "mega"), "mega")
+    flat = [t for sequence in read["written"] for t in sequence]
+    assert stream.tokens == len(flat) and stream.documents == 41 and stream.read(0, len(flat)).tolist() == flat
+    windows = loader(config("--training.dataset_path", str(tmp_path / "mega"), "--training.dataset_shuffle", "false"))
+    for k, (x, y) in enumerate(itertools.islice(windows, 10)):
+        for row in range(2):
+            start = (2 * k + row) * 33
+            assert x[row].tolist() == flat[start : start + 32] and y[row].tolist() == flat[start + 1 : start + 33]
+    text = [json.loads(line)["text"] for line in sources["code_text"].read_text().splitlines()]
+    assert read["ours"] == [[256, *d.encode(), 257] for d in text]
+
+
+def olmo_file(path: Path, documents: list[list[int]], dtype) -> Path:
+    """An OLMo-core token file by its spec (olmo_core/data/utils.py: write_array_to_disk writes the ids
+    as a raw memmap, no header; write_document_indices writes PATH.csv.gz, one 'start,end' line per
+    document, end exclusive, found from the EOS that ends each)."""
+    import gzip
+
+    flat = np.array([t for d in documents for t in d], dtype=dtype)
+    flat.tofile(path)
+    ends = np.cumsum([len(d) for d in documents])
+    with gzip.open(path.with_suffix(".csv.gz"), "wt") as f:
+        f.writelines(f"{end - len(d)},{end}\n" for d, end in zip(documents, ends))
+    return path
+
+
+def test_olmo_numpy_files_give_their_documents(tmp_path):
+    """OLMo-core's dtype rule (NumpyDatasetConfig.get_dtype: the smallest unsigned type holding
+    vocab_size - 1), files read end to end with their documents counted from the .csv.gz, EOS
+    splitting them again; a file cut short or a .csv.gz past its end is one line."""
+    from titanlite.config import ConfigError
+    from titanlite.data.formats import olmo_dtype, open_numpy
+
+    assert [olmo_dtype(v).name for v in (256, 1000, 65536, 65537, 100352)] == ["uint8", "uint16", "uint16", "uint32", "uint32"]
+    rng = random.Random(1)
+    eos = 100277  # dolma2's
+    documents = [[rng.randrange(eos) for _ in range(rng.randint(3, 50))] + [eos] for _ in range(30)]
+    (tmp_path / "olmo").mkdir()
+    files = [olmo_file(tmp_path / "olmo" / f"part-0-0000{i}.npy", documents[i * 15 : (i + 1) * 15], np.uint32) for i in range(2)]
+    stream = open_numpy([str(f) for f in files], "olmo", vocab_size=100352)
+    flat = np.array([t for d in documents for t in d])
+    assert stream.documents == 30 and (stream.read(0, stream.tokens) == flat).all()
+    ends = np.flatnonzero(stream.read(0, stream.tokens) == eos) + 1
+    assert [stream.read(a, b - a).tolist() for a, b in zip([0, *ends[:-1]], ends)] == documents
+    with open(files[1], "ab") as f:
+        f.write(b"\x01\x02")
+    with pytest.raises(ConfigError, match=r"part-0-00001.npy' is \d+ bytes, not a whole number of uint32 tokens"):
+        open_numpy([str(f) for f in files], "olmo", vocab_size=100352)
+    files[1].write_bytes(files[1].read_bytes()[:-10])
+    with pytest.raises(ConfigError, match="lists a document ending at"):
+        open_numpy([str(f) for f in files], "olmo", vocab_size=100352)
+
+
+def damaged_token_files(root: Path, sources: dict[str, Path]) -> dict[str, Path]:
+    """Copies of a prepared folder, each damaged in one way."""
+    import shutil
+    import struct
+
+    made = {}
+    for name in ("truncated", "counts", "version"):
+        made[name] = root / name
+        shutil.copytree(sources["math"], made[name])
+    shard = made["truncated"] / "part-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    index = made["counts"] / "part-00000.idx"
+    raw = bytearray(index.read_bytes())
+    raw[18:26] = struct.pack("<Q", struct.unpack("<Q", raw[18:26])[0] - 1)  # one sequence fewer than the file holds
+    index.write_bytes(bytes(raw))
+    index = made["version"] / "part-00000.idx"
+    index.write_bytes(index.read_bytes()[:9] + struct.pack("<Q", 2) + index.read_bytes()[17:])
+    return made
+
+
+def test_damaged_or_mismatched_token_files_are_one_line_each(sources, tmp_path):
+    """preflight (before any process starts) names the file or key, the value and the fix."""
+    from titanlite.config import ConfigError
+    from titanlite.data.prepare import prepare as prepare_folder
+    from titanlite.preflight import check
+
+    bad = damaged_token_files(tmp_path, sources)
+    bpe = tmp_path / "bpe"
+    prepare_folder(config("--training.dataset", str(sources["math_text"]), "--model.hf_assets_path", "shakespeare-bpe8k"), bpe, "train", 1, 1 << 20)
+    web, math = sources["web"], sources["math"]
+    for extra, words in [
+        (["--training.dataset_path", str(bpe)], "was prepared with another tokenizer (vocabulary 8192"),
+        (["--training.dataset_path", str(bad["truncated"])], "part-00000.bin' is"),
+        (["--training.dataset_path", str(bad["counts"])], "part-00000.idx' is"),
+        (["--training.dataset_path", str(bad["version"])], "has index version 2; titanlite reads version 1"),
+        (["--training.dataset_mixture", f"0.5 {web},-0.5 {math}"], "weight '-0.5' of '-0.5"),
+        (["--training.dataset_mixture", f"0.5 {web},0.5 {tmp_path / 'nowhere'}"], "nowhere' does not exist"),
+        (["--training.dataset_mixture", f"0.5 {web},0.5 {bpe}"], "were prepared with different tokenizers (vocabulary 259 vs 8192)"),
+        (["--training.dataset_path", str(web), "--validation.enable", "true"], "or validation.dataset_mixture"),
+        (["--training.dataset_path", str(math), "--training.seq_len", "100000"], "less than one window of seq_len + 1"),
+    ]:
+        cfg = config("--job.dump_folder", str(tmp_path / "run"), *extra)
+        with pytest.raises(ConfigError) as caught:
+            check(cfg, 1)
+        assert words in str(caught.value) and "\n" not in str(caught.value), (extra, str(caught.value))
+
+
+def test_a_damaged_shard_stops_run_train_sh_and_every_torchrun_rank_in_one_line(sources, tmp_path):
+    from test_bad_inputs import assert_one_line, assert_the_rank_said, plain_torchrun, run_train_sh
+
+    bad = damaged_token_files(tmp_path, sources)
+    args = ["--job.dump_folder", str(tmp_path / "run"), "--model.hf_assets_path", "byte", "--training.seq_len", "32"]
+    assert_one_line(run_train_sh([*args, "--training.dataset_path", str(bad["truncated"])]), "part-00000.bin' is")
+    out = plain_torchrun(tiny_args(sources["web"], tmp_path / "run", "--training.dataset_path", str(bad["version"])), nproc=2)
+    assert_the_rank_said(out, "has index version 2")
+
+
+TIMINGS = {"tps", "tflops", "mfu", "memory_gib", "step_time_s", "data_share", "elapsed_s"}
+
+
+def metrics(folder: Path) -> list[dict]:
+    """metrics.jsonl's rows without the timings (no two runs share those)."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
+
+
+def train(nproc: int, args: list[str]):
+    from helpers import run_command
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
+    out = run_command(cmd, timeout=300, cwd=REPO, env=OFFLINE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_training_from_shards_logs_the_text_paths_losses(sources, tmp_path):
+    """Shuffle off, 1 process: 4 steps from the prepared folder log the text path's losses bitwise."""
+    text = tmp_path / "text"
+    train(1, tiny_args(sources["web_text"], text, "--training.steps", "4", "--training.data_split", "sequences"))
+    shards = tmp_path / "shards"
+    train(1, tiny_args(sources["web"], shards, "--training.steps", "4", "--training.dataset_shuffle", "false"))
+    a, b = ([r["loss"] for r in metrics(f) if "loss" in r] for f in (text, shards))
+    assert len(a) == len(b) == 4 and a == b and all(x == x for x in a), (a, b)
+
+
+def test_a_three_source_mixture_on_fsdp2_resumes_bitwise_and_reports_each_source(sources, tmp_path):
+    """FSDP 2, three shuffled sources, validation on two held-out ones: stopped at step 3 and resumed,
+    steps 4-6 log what the straight run logs, bit for bit; each source's tokens seen follow its weight
+    and each validation source has its loss, the validation loss their weighted mean."""
+    import shutil
+
+    mixture = "0.6 {web},0.3 {code},0.1 {math}".format(**sources)
+    args = ["--training.steps", "6", "--training.dataset_mixture", mixture, "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--lr_scheduler.decay_ratio", "0", "--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "2",
+            "--validation.dataset_mixture", "0.25 {code},0.75 {math}".format(**sources), "--training.local_batch_size", "5"]
+    straight = tmp_path / "straight"
+    train(2, tiny_args(sources["web"], straight, *args))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoint" / "step-6")
+    rows = metrics(straight)
+    kept = [line for line in (straight / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    out = train(2, tiny_args(sources["web"], resumed, *args))
+    assert "loaded checkpoint" in out.stdout + out.stderr
+    assert metrics(resumed) == rows  # every row of steps 4-6 bitwise, timings aside
+    train_rows = [r for r in rows if "loss" in r]
+    last = train_rows[-1]
+    assert [last[f"tokens_seen_{n}"] for n in ("web", "code", "math")] == [6 * 10 * 32 * w for w in (0.6, 0.3, 0.1)]
+    validation = [r for r in rows if "val_loss" in r]
+    assert len(validation) == 2
+    for r in validation:
+        assert r["val_loss"] == pytest.approx(0.25 * r["val_loss_code"] + 0.75 * r["val_loss_math"], rel=1e-6)
