@@ -412,3 +412,19 @@ def test_a_three_source_mixture_on_fsdp2_resumes_bitwise_and_reports_each_source
     assert len(validation) == 2
     for r in validation:
         assert r["val_loss"] == pytest.approx(0.25 * r["val_loss_code"] + 0.75 * r["val_loss_math"], rel=1e-6)
+
+
+def test_loader_workers_read_the_main_process_batches_and_resume_exactly(sources):
+    """Two loader workers (each reads every other microbatch) give the batches of none, and a loader
+    restored from their state after 5 batches goes on with batch 6."""
+    mixture = "0.7 {web},0.3 {math}".format(**sources)
+    plain = [x for x, _ in itertools.islice(loader(config("--training.dataset_mixture", mixture)), 10)]
+    workers = config("--training.dataset_mixture", mixture, "--training.dataloader.num_workers", "2")
+    first = loader(workers)
+    it = iter(first)
+    head = [next(it)[0] for _ in range(5)]
+    state = first.state_dict()
+    again = loader(workers)
+    again.load_state_dict(state)
+    tail = [x for x, _ in itertools.islice(again, 5)]
+    assert len(head + tail) == len(plain) == 10 and all(torch.equal(a, b) for a, b in zip(head + tail, plain))

@@ -53,9 +53,8 @@ class Permutation:
 
 def mix(z: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer: every input bit changes about half of the output bits."""
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # uint64 arrays wrap silently
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
 
 
@@ -67,14 +66,22 @@ class SourceWindows:
         self.whole = stream.tokens // window  # windows of one epoch with the shuffle
         self.permutations: dict[int, Permutation] = {}
 
-    def read(self, j: int) -> np.ndarray:
+    def starts(self, js: np.ndarray) -> np.ndarray:
+        """Where samples `js` of this source start in its stream (looped: modulo its length)."""
         if not self.shuffle:  # an endless loop of the stream
-            return self._read_looped(j * self.window % self.stream.tokens)
-        epoch, position = divmod(j, self.whole)
-        if epoch not in self.permutations:
-            self.permutations = {epoch: Permutation(self.whole, (self.seed, self.index, epoch))}
-        start = int(self.permutations[epoch](np.array([position]))[0]) * self.window
-        return self.stream.read(start, self.window)
+            return js * self.window % self.stream.tokens
+        epochs, positions = np.divmod(js, self.whole)
+        starts = np.empty_like(js)
+        for epoch in np.unique(epochs):
+            if epoch not in self.permutations:
+                self.permutations = {epoch: Permutation(self.whole, (self.seed, self.index, int(epoch)))}
+            starts[epochs == epoch] = self.permutations[epoch](positions[epochs == epoch]) * self.window
+        return starts
+
+    def read(self, start: int) -> np.ndarray:
+        if self.shuffle:
+            return self.stream.read(start, self.window)
+        return self._read_looped(start)
 
     def _read_looped(self, start: int) -> np.ndarray:
         pieces, needed = [], self.window
@@ -116,8 +123,13 @@ class MixedWindows(IterableDataset, Stateful):
 
     def read(self, samples: np.ndarray) -> torch.Tensor:
         sources, indices = self.schedule.locate(samples)
-        rows = [self.sources[s].read(int(j)) for s, j in zip(sources, indices)]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        starts = np.empty_like(indices)
+        for s in np.unique(sources):
+            starts[sources == s] = self.sources[s].starts(indices[sources == s])
+        out = np.empty((len(samples), self.sources[0].window), dtype=np.int64)
+        for row, (s, start) in enumerate(zip(sources, starts)):
+            out[row] = self.sources[s].read(int(start))  # widened to int64 as it is copied
+        return torch.from_numpy(out)
 
     def samples_per_source(self, samples: int) -> np.ndarray:
         return self.schedule.counts(samples)
