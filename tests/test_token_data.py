@@ -164,6 +164,20 @@ def test_the_shuffle_is_a_seeded_permutation_of_each_epoch():
     assert (a != b).mean() > 0.9 and (a != c).mean() > 0.9 and (a != np.arange(1000)).mean() > 0.9
 
 
+def test_each_epoch_of_a_source_is_a_new_permutation_of_all_its_windows(sources):
+    """Over three epochs of the math source, each epoch starts every whole window once, in an order
+    of its own."""
+    from titanlite.data.formats import open_prepared
+    from titanlite.data.windows import SourceWindows
+
+    windows = SourceWindows(open_prepared(sources["math"], "math"), 2, 33, shuffle=True, seed=0)
+    m = windows.whole
+    epochs = [windows.starts(np.arange(e * m, (e + 1) * m)) for e in range(3)]
+    for starts in epochs:
+        assert sorted(starts.tolist()) == [33 * i for i in range(m)]
+    assert all((a != b).mean() > 0.9 for a, b in itertools.combinations(epochs, 2))
+
+
 def global_rows(cfg, ranks: int, batches: int, states=None) -> tuple[list[torch.Tensor], list]:
     """The global microbatches (rows of every rank stacked in rank order) that `ranks` loaders read."""
     loaders = [loader(cfg, r, ranks) for r in range(ranks)]
