@@ -49,6 +49,9 @@ def test_document_layout_of_token_files_that_end_documents_with_eos_alone():
     assert ids.tolist() == [[0, 0, 1, 1, 1, 2]] and positions.tolist() == [[0, 1, 0, 1, 2, 0]]
     ids, _ = document_layout(torch.tensor([[5, E, BOS, 7, E, BOS]]), BOS, reset_positions=False, eos_id=E)
     assert ids.tolist() == [[0, 0, 1, 1, 1, 2]]
+    # One token for BOS and EOS (GPT-2's, Qwen's): a lone one ends a document in those files too.
+    ids, positions = document_layout(torch.tensor([[10, 11, 12, E, 14, 15, E, 17]]), E, reset_positions=True, eos_id=E)
+    assert ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 2]] and positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
 
 
 def packed_windows(vocab: int, rows: int, seq_len: int, documents_per_row: int, seed: int = 0) -> torch.Tensor:

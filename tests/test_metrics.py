@@ -66,7 +66,7 @@ def every_extra() -> dict[str, float]:
     trainer.dataloader = SimpleNamespace(dataset=SimpleNamespace(
         sources=sources, samples_per_source=Schedule([Fraction(7, 10), Fraction(3, 10)]).counts))
     trainer.config = SimpleNamespace(training=SimpleNamespace(dataset_mixture=["0.7 web", "0.3 code"], seq_len=8))
-    trainer.tokens_seen = 80
+    trainer.samples_read = 10
     trainer.source_tokens = lambda: Trainer.source_tokens(trainer)
     return Trainer.step_extras(trainer)
 

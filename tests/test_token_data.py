@@ -107,6 +107,11 @@ def test_prepare_is_the_same_bytes_on_any_process_count_and_resumes_after_a_kill
     assert manifest["documents"] == len(docs) and manifest["dtype"] == "uint16"
     assert manifest["tokens"] == sum(len(d.encode()) + 2 for d in docs)  # bytes + BOS + EOS each
     assert subprocess.run([sys.executable, "-m", "titanlite.data.prepare", "--verify", str(out)], env=OFFLINE, cwd=REPO).returncode == 0
+    from titanlite.config import ConfigError
+    from titanlite.data.prepare import prepare as prepare_folder
+
+    with pytest.raises(ConfigError, match="manifest.json records tokenizer_sha256='byte', but this run has tokenizer_sha256='b067"):
+        prepare_folder(config("--training.dataset", str(text), "--model.hf_assets_path", "shakespeare-bpe8k"), out, "train", 1, 5000)
     shard = out / "part-00001.bin"
     shard.write_bytes(shard.read_bytes()[:-2] + b"\x00\x00")  # one token changed, the size kept
     broken = subprocess.run([sys.executable, "-m", "titanlite.data.prepare", "--verify", str(out)], env=OFFLINE, cwd=REPO,
@@ -132,6 +137,8 @@ def test_mixture_shares_are_exact_per_period_and_close_everywhere():
     for i in range(3):
         assert (indices[sources == i] == np.arange((sources == i).sum())).all()
     assert (schedule.counts(1234) == np.bincount(sources[:1234], minlength=3)).all()
+    tiny = Schedule([Fraction(1, 10**9 + 1), Fraction(10**9, 10**9 + 1)])  # rounded to 1/65536, never to 0
+    assert tiny.period == 1 << 16 and list(tiny.per_period) == [1, (1 << 16) - 1]
     rng = random.Random(0)
     for _ in range(20):
         weights = [Fraction(rng.randint(1, 40)) for _ in range(rng.randint(2, 5))]
@@ -206,20 +213,21 @@ def test_a_mixture_reads_the_same_global_batches_on_every_layout_and_shuffles_ea
 
 
 def test_the_data_position_survives_a_change_of_data_parallel_degree(sources):
-    """Saved by 2 ranks (batch 4) after 3 global batches, loaded by 4 ranks (batch 2) through the
-    checkpointer's own loader restore: the global sequence goes on as 1 process reads it, no sample
-    repeated or skipped."""
+    """Saved by 2 ranks (batch 4, no loader worker) after 3 global batches, loaded by 4 ranks (batch
+    2, one worker each) through the checkpointer's own loader restore: the global sequence goes on as
+    1 process reads it, no sample repeated or skipped."""
     from titanlite.checkpoint.checkpointer import Checkpointer, json_tensor
 
     mixture = "0.5 {web},0.3 {code},0.2 {math}".format(**sources)
     reference, _ = global_rows(config("--training.dataset_mixture", mixture, "--training.local_batch_size", "8"), 1, 6)
     first, loaders = global_rows(config("--training.dataset_mixture", mixture, "--training.local_batch_size", "4"), 2, 3)
-    saved = {f"dp{r}": json_tensor({"dp_degree": 2, "num_workers": 0, "state": l.state_dict(), "step": 3, "token_files": True})
-             for r, l in enumerate(loaders)}
-    cfg = config("--training.dataset_mixture", mixture, "--training.local_batch_size", "2")
+    saved = {f"dp{r}": json_tensor({"dp_degree": 2, "num_workers": 0, "state": l.state_dict(), "step": 3, "token_files": True,
+                                    "sample": 3 * 8}) for r, l in enumerate(loaders)}  # as the trainer counts them
+    cfg = config("--training.dataset_mixture", mixture, "--training.local_batch_size", "2",
+                 "--training.dataloader.num_workers", "1")  # and from 0 loader workers to 1
     resumed = []
     for rank in range(4):
-        trainer = SimpleNamespace(config=cfg, dp_rank=rank, dp_degree=4, dataloader=loader(cfg, rank, 4))
+        trainer = SimpleNamespace(config=cfg, dp_rank=rank, dp_degree=4, dataloader=loader(cfg, rank, 4), samples_read=0)
         Checkpointer.load_dataloader(SimpleNamespace(trainer=trainer), saved)
         resumed.append(trainer.dataloader)
     iterators = [iter(l) for l in resumed]
@@ -299,16 +307,18 @@ def test_olmo_numpy_files_give_their_documents(tmp_path):
     documents = [[rng.randrange(eos) for _ in range(rng.randint(3, 50))] + [eos] for _ in range(30)]
     (tmp_path / "olmo").mkdir()
     files = [olmo_file(tmp_path / "olmo" / f"part-0-0000{i}.npy", documents[i * 15 : (i + 1) * 15], np.uint32) for i in range(2)]
+    (tmp_path / "olmo" / "part-0-00000b.npy").write_bytes(b"")  # an empty file between two: nothing to read in it
+    files.insert(1, tmp_path / "olmo" / "part-0-00000b.npy")
     stream = open_numpy([str(f) for f in files], "olmo", vocab_size=100352)
     flat = np.array([t for d in documents for t in d])
     assert stream.documents == 30 and (stream.read(0, stream.tokens) == flat).all()
     ends = np.flatnonzero(stream.read(0, stream.tokens) == eos) + 1
     assert [stream.read(a, b - a).tolist() for a, b in zip([0, *ends[:-1]], ends)] == documents
-    with open(files[1], "ab") as f:
+    with open(files[2], "ab") as f:
         f.write(b"\x01\x02")
     with pytest.raises(ConfigError, match=r"part-0-00001.npy' is \d+ bytes, not a whole number of uint32 tokens"):
         open_numpy([str(f) for f in files], "olmo", vocab_size=100352)
-    files[1].write_bytes(files[1].read_bytes()[:-10])
+    files[2].write_bytes(files[2].read_bytes()[:-10])
     with pytest.raises(ConfigError, match="lists a document ending at"):
         open_numpy([str(f) for f in files], "olmo", vocab_size=100352)
 
@@ -330,6 +340,29 @@ def damaged_token_files(root: Path, sources: dict[str, Path]) -> dict[str, Path]
     index.write_bytes(bytes(raw))
     index = made["version"] / "part-00000.idx"
     index.write_bytes(index.read_bytes()[:9] + struct.pack("<Q", 2) + index.read_bytes()[17:])
+    for name in ("half", "floats", "multimodal", "manifest", "saved_npy", "csv", "wide_ids"):
+        made[name] = root / name
+    shutil.copytree(sources["math"], made["half"])
+    (made["half"] / "manifest.json").rename(made["half"] / "progress.json")  # as a killed prepare leaves it
+    shutil.copytree(sources["math"], made["floats"])
+    index = made["floats"] / "part-00000.idx"
+    index.write_bytes(index.read_bytes()[:17] + bytes([7]) + index.read_bytes()[18:])  # float32
+    shutil.copytree(sources["math"], made["multimodal"])
+    index = made["multimodal"] / "part-00000.idx"
+    sequences = struct.unpack("<Q", index.read_bytes()[18:26])[0]
+    index.write_bytes(index.read_bytes() + b"\x01" * sequences)  # one mode per sequence: not text
+    shutil.copytree(sources["math"], made["manifest"])
+    (made["manifest"] / "manifest.json").write_text('{"format": "titanlite-tokens"}')
+    made["saved_npy"].mkdir()
+    np.save(made["saved_npy"] / "tokens.npy", np.arange(100, dtype=np.uint16))
+    made["csv"].mkdir()
+    np.arange(100, dtype=np.uint16).tofile(made["csv"] / "part-0.npy")
+    (made["csv"] / "part-0.csv.gz").write_text("0,100\n")  # not gzip-compressed
+    ids = np.full(100, 60000, dtype=np.uint16)
+    ids.tofile(made["wide_ids"].with_suffix(".bin"))
+    from titanlite.data.formats import write_index
+
+    write_index(made["wide_ids"].with_suffix(".idx"), np.dtype(np.uint16), np.array([100]))
     return made
 
 
@@ -353,11 +386,29 @@ def test_damaged_or_mismatched_token_files_are_one_line_each(sources, tmp_path):
         (["--training.dataset_mixture", f"0.5 {web},0.5 {bpe}"], "were prepared with different tokenizers (vocabulary 259 vs 8192)"),
         (["--training.dataset_path", str(web), "--validation.enable", "true"], "or validation.dataset_mixture"),
         (["--training.dataset_path", str(math), "--training.seq_len", "100000"], "less than one window of seq_len + 1"),
+        (["--validation.enable", "true", "--validation.dataset_path", str(math), "--validation.seq_len", "32",
+          "--validation.local_batch_size", "1000"], "less than one global batch of 1000"),
+        (["--training.dataset_path", str(bad["half"])], "has not finished (no manifest.json, a progress.json); run the same"),
+        (["--training.dataset_path", str(bad["floats"])], "has dtype code 7, not one of integer token ids"),
+        (["--training.dataset_path", str(bad["multimodal"])], "holds multimodal sequences"),
+        (["--training.dataset_path", str(bad["manifest"])], "manifest.json' lacks 'shards'"),
+        (["--training.dataset_path", str(bad["saved_npy"])], "is a numpy array with a header (np.save)"),
+        (["--training.dataset_path", str(bad["csv"])], "part-0.csv.gz' is not OLMo's document list"),
     ]:
         cfg = config("--job.dump_folder", str(tmp_path / "run"), *extra)
         with pytest.raises(ConfigError) as caught:
             check(cfg, 1)
         assert words in str(caught.value) and "\n" not in str(caught.value), (extra, str(caught.value))
+
+
+def test_ids_past_the_vocabulary_stop_the_loader_in_one_line(sources, tmp_path):
+    """Ids a size check cannot see (Megatron files of another tokenizer): the first batch that holds
+    one stops the run, naming the source, not an index error deep in the embedding."""
+    from titanlite.config import ConfigError
+
+    bad = damaged_token_files(tmp_path, sources)
+    with pytest.raises(ConfigError, match="source 'wide_ids' hold ids outside this run's vocabulary of 259 .from 60000"):
+        next(iter(loader(config("--training.dataset_path", str(bad["wide_ids"]), "--training.seq_len", "8"))))
 
 
 def test_a_damaged_shard_stops_run_train_sh_and_every_torchrun_rank_in_one_line(sources, tmp_path):

@@ -59,7 +59,7 @@ def check(config: JobConfig, world_size: int) -> None:
         return  # reads no data and loads no checkpoint
     for split, settings in (("train", t), ("validation", config.validation)):
         if split == "train" or config.validation.enable:
-            check_data(config, split, settings, tokenizer)
+            check_data(config, split, settings, tokenizer, dims.dp_replicate * dims.dp_shard)
     found = checkpoint_to_load(config)
     if found is not None:
         from titanlite.checkpoint.reader import check_checkpoint_files  # imports torch (DCP's metadata classes)
@@ -67,14 +67,23 @@ def check(config: JobConfig, world_size: int) -> None:
         check_checkpoint_files(found[0], checkpoint_folder(config), own=found[1])
 
 
-def check_data(config: JobConfig, split: str, settings, tokenizer) -> None:
-    """The split's source exists; token files are whole and were made with this run's tokenizer."""
+def check_data(config: JobConfig, split: str, settings, tokenizer, dp: int) -> None:
+    """The split's source exists; token files are whole and were made with this run's tokenizer, and
+    each validation source fills one global batch (it is read once)."""
     parts = token_parts(config, split)
     if parts is None:
         return
     section = "training" if split == "train" else "validation"
     key = f"{section}.dataset_mixture" if settings.dataset_mixture else f"{section}.dataset_path"
-    open_token_parts(parts, tokenizer, settings.seq_len, key)
+    streams = open_token_parts(parts, tokenizer, settings.seq_len, key)
+    rows = settings.local_batch_size * dp
+    for (part, _), stream in zip(parts, streams):
+        if split == "validation" and stream.tokens // (settings.seq_len + 1) < rows:
+            raise ConfigError(
+                f"{key}: source '{part.path}' holds {stream.tokens // (settings.seq_len + 1)} windows of seq_len + 1 = "
+                f"{settings.seq_len + 1} tokens, less than one global batch of {rows} (validation.local_batch_size x "
+                "data-parallel ranks); give more held-out data or a smaller validation batch"
+            )
 
 
 def output_folders(config: JobConfig) -> list[tuple[str, Path]]:

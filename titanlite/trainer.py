@@ -24,6 +24,7 @@ from titanlite.config import JobConfig
 from titanlite.converters import build_converters
 from titanlite.data.dataset import build_dataloader
 from titanlite.data.sources import token_parts
+from titanlite.data.windows import MixedWindows
 from titanlite.fault_tolerance import FaultTolerance
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
@@ -171,6 +172,7 @@ class Trainer:
         loader_rank, loader_ranks = self.ft.data_position(self.dp_rank, self.dp_degree) if self.ft else (self.dp_rank, self.dp_degree)
         self.dataloader = build_dataloader(config, self.tokenizer, loader_rank, loader_ranks)
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
+        self.samples_read = 0  # of token files, all ranks': where their loader goes on after a resume
         self.metrics = MetricsLogger(
             config,
             device,
@@ -396,6 +398,8 @@ class Trainer:
 
     def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = [next(data_iter) for _ in range(self.accumulation_steps)]
+        if isinstance(self.dataloader.dataset, MixedWindows):  # every rank's rows: the position in the global order
+            self.samples_read += len(batches) * self.dataloader.dataset.batch * self.dataloader.dataset.ranks
         return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
 
     def validate(self) -> dict[str, float]:
@@ -416,7 +420,7 @@ class Trainer:
         windows, seq_len = self.dataloader.dataset, self.config.training.seq_len
         if not self.config.training.dataset_mixture:
             return {}
-        counts = windows.samples_per_source(self.tokens_seen // seq_len)
+        counts = windows.samples_per_source(self.samples_read)
         return {f"tokens_seen_{source.stream.name}": int(n) * seq_len for source, n in zip(windows.sources, counts)}
 
     @torch.no_grad()

@@ -157,7 +157,7 @@ class Checkpointer:
             return {"model": model_state(t.model_parts, dtype if dtype != torch.float32 else None)}
         workers = t.config.training.dataloader.num_workers
         loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict(), "step": t.step,
-                  "token_files": isinstance(t.dataloader.dataset, MixedWindows)}
+                  "token_files": isinstance(t.dataloader.dataset, MixedWindows), "sample": t.samples_read}
         if data_only:
             return {"dataloader": {f"dp{t.dp_rank}": json_tensor(loader)}}
         train = {
@@ -424,21 +424,24 @@ class Checkpointer:
         saved_state = next(iter(states.values()))
         old_degree, old_workers = saved_state["dp_degree"], saved_state["num_workers"]
         workers = t.config.training.dataloader.num_workers
-        if old_workers != workers:
+        tokens = isinstance(t.dataloader.dataset, MixedWindows)
+        if tokens and saved_state.get("token_files"):
+            # Token files: the position is the next global sample, the same on any layout and worker count.
+            t.dataloader.dataset.sample = t.samples_read = saved_state["sample"]
+            if (old_degree, old_workers) != (t.dp_degree, workers):
+                log_line(f"data position (global sample {t.samples_read}) kept from {old_degree} to {t.dp_degree} "
+                         f"data-parallel ranks, {old_workers} to {workers} loader workers")
+        elif old_workers != workers:
             # Each worker reads its own files in its own order: the position of W workers means nothing to W'.
             log_line(
                 f"data position NOT restored: saved with training.dataloader.num_workers={old_workers}, now {workers}; "
                 "the data starts from the beginning (model, optimizer, step and lr schedule are restored)"
             )
-        elif isinstance(t.dataloader.dataset, MixedWindows) != saved_state.get("token_files", False):
+        elif tokens != saved_state.get("token_files", False):
             log_line("data position NOT restored: it was saved from text and is read now from token files, or the other "
                      "way round; the data starts from the beginning (model, optimizer, step and lr schedule are restored)")
         elif old_degree == t.dp_degree:
             t.dataloader.load_state_dict(states[t.dp_rank]["state"])
-        elif isinstance(t.dataloader.dataset, MixedWindows) and workers == 0:
-            # Token files: the position is the next global sample, the same on every rank and layout.
-            t.dataloader.load_state_dict(saved_state["state"])
-            log_line(f"data position kept from {old_degree} to {t.dp_degree} data-parallel ranks")
         elif t.config.training.data_split == "sequences":
             # Every rank read the whole stream; the last rank's position is past every consumed window.
             t.dataloader.load_state_dict(states[old_degree - 1]["state"])

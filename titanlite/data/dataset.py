@@ -183,10 +183,14 @@ def token_loader(config: JobConfig, tokenizer: Tokenizer, parts, dp_rank: int, d
     batch = settings.local_batch_size
     if split == "train":
         weights = [p.weight for p, _ in parts]
-        windows = MixedWindows(streams, weights, t.seq_len, batch, dp_rank, dp_degree, t.dataset_shuffle, t.dataset_seed)
+        windows = MixedWindows(
+            streams, weights, t.seq_len, batch, dp_rank, dp_degree, t.dataset_shuffle, t.dataset_seed, tokenizer.vocab_size
+        )
     else:
         whole = streams[part].tokens // (settings.seq_len + 1)
-        windows = MixedWindows([streams[part]], [Fraction(1)], settings.seq_len, batch, dp_rank, dp_degree, False, 0, whole)
+        windows = MixedWindows(
+            [streams[part]], [Fraction(1)], settings.seq_len, batch, dp_rank, dp_degree, False, 0, tokenizer.vocab_size, whole
+        )
     return stateful_loader(windows, settings.dataloader, None)
 
 

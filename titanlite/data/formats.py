@@ -29,7 +29,9 @@ INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 INDEX_HEAD = struct.Struct("<QBQQ")  # version, dtype code, sequences, document-index entries
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+FLOAT_CODES = (6, 7)  # Megatron writes them, but not for token ids
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"  # prepare's finished shards, until the manifest is written
 MANIFEST_FORMAT = "titanlite-tokens"
 
 
@@ -42,7 +44,7 @@ class TokenStream:
     dtype: np.dtype
     sizes: list[int]  # tokens per file
     documents: int
-    manifest: dict | None = None  # a prepared folder's
+    made_with: dict | None = None  # a prepared folder's tokenizer: vocab_size, sha256, location
     maps: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
@@ -51,7 +53,8 @@ class TokenStream:
 
     def read(self, start: int, length: int) -> np.ndarray:
         if not self.maps:  # opened on first read: in the process (or loader worker) that reads
-            self.maps = [np.memmap(f, dtype=self.dtype, mode="r", shape=(n,)) for f, n in zip(self.files, self.sizes)]
+            self.maps = [np.memmap(f, dtype=self.dtype, mode="r", shape=(n,)) if n else np.empty(0, self.dtype)
+                         for f, n in zip(self.files, self.sizes)]
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         piece = self.maps[i][start - self.starts[i] : start - self.starts[i] + length]
         if len(piece) == length:
@@ -72,17 +75,21 @@ def read_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, int]:
     remake = "rewrite it with Megatron's preprocess_data.py or `python -m titanlite.data.prepare`"
     with open(idx, "rb") as f:
         head = f.read(len(INDEX_HEADER) + INDEX_HEAD.size)
-    if len(head) < len(INDEX_HEADER) + INDEX_HEAD.size or head[: len(INDEX_HEADER)] != INDEX_HEADER:
+    if head[: len(INDEX_HEADER)] != INDEX_HEADER:
         raise bad(idx, "is not a Megatron index (no MMIDIDX header)", remake)
+    if len(head) < len(INDEX_HEADER) + INDEX_HEAD.size:
+        raise bad(idx, f"is {len(head)} bytes, shorter than a Megatron index's header", remake)
     version, code, sequences, document_entries = INDEX_HEAD.unpack(head[len(INDEX_HEADER) :])
     if version != INDEX_VERSION:
         raise bad(idx, f"has index version {version}; titanlite reads version {INDEX_VERSION}", remake)
-    if code not in DTYPE_CODES:
-        raise bad(idx, f"has unknown dtype code {code}", remake)
+    if code not in DTYPE_CODES or code in FLOAT_CODES:
+        raise bad(idx, f"has dtype code {code}, not one of integer token ids", remake)
     expected = len(head) + sequences * (4 + 8) + document_entries * 8
     size = idx.stat().st_size
     if size not in (expected, expected + sequences):  # + one int8 mode per sequence when multimodal
         raise bad(idx, f"is {size} bytes, but its counts ({sequences} sequences) need {expected}", remake)
+    if size > expected and np.memmap(idx, dtype=np.int8, mode="r", offset=expected, shape=(sequences,)).any():
+        raise bad(idx, "holds multimodal sequences (a mode other than text)", "give text-only token files")
     lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=len(head), shape=(sequences,))
     pointers = np.memmap(idx, dtype=np.int64, mode="r", offset=len(head) + 4 * sequences, shape=(sequences,))
     return np.dtype(DTYPE_CODES[code]), lengths, pointers, max(document_entries - 1, 0)
@@ -115,6 +122,10 @@ def open_numpy(files: list[str], name: str, vocab_size: int) -> TokenStream:
     sizes, documents = [], 0
     for file in map(Path, files):
         size = file.stat().st_size
+        with open(file, "rb") as f:
+            if f.read(6) == b"\x93NUMPY":
+                raise bad(file, "is a numpy array with a header (np.save), not OLMo's raw token file",
+                          "write the ids raw (array.tofile), as OLMo-core does")
         if size % dtype.itemsize:
             raise bad(file, f"is {size} bytes, not a whole number of {dtype} tokens (the vocabulary's size "
                       f"{vocab_size} gives {dtype})", "it is truncated, or was written for another tokenizer")
@@ -128,9 +139,13 @@ def numpy_documents(file: Path, tokens: int) -> int:
     metadata = file.with_suffix(".csv.gz")
     if not metadata.is_file():
         return 0
-    with gzip.open(metadata, "rt") as f:
-        rows = [row for row in csv.reader(f) if row]
-    end = max((int(row[1]) for row in rows), default=0)
+    try:
+        with gzip.open(metadata, "rt") as f:
+            rows = [row for row in csv.reader(f) if row]
+        end = max((int(row[1]) for row in rows), default=0)
+    except (OSError, EOFError, ValueError, IndexError) as e:
+        raise bad(metadata, f"is not OLMo's document list ({type(e).__name__}: {str(e)[:100]})",
+                  "it holds gzip-compressed 'start,end' lines, one per document; fix or remove it")
     if end > tokens:
         raise bad(file, f"holds {tokens} tokens, but {metadata.name} lists a document ending at {end}",
                   "the file is truncated: rewrite it")
@@ -149,15 +164,18 @@ def read_manifest(folder: Path) -> dict:
 
 def open_prepared(folder: Path, name: str) -> TokenStream:
     manifest = read_manifest(folder)
-    streams = [open_megatron(str(folder / shard["name"]), name) for shard in manifest["shards"]]
-    for stream, shard in zip(streams, manifest["shards"]):
-        if stream.tokens != shard["tokens"]:
-            raise bad(stream.files[0], f"holds {stream.tokens} tokens, the manifest says {shard['tokens']}",
+    try:
+        shards = [(shard["name"], shard["tokens"]) for shard in manifest["shards"]]
+        dtype, documents = np.dtype(manifest["dtype"]), manifest["documents"]
+        made_with = {key: manifest["tokenizer"][key] for key in ("vocab_size", "sha256", "location")}
+    except (KeyError, TypeError) as e:
+        raise bad(folder / MANIFEST, f"lacks {e}", "prepare the folder again")
+    streams = [open_megatron(str(folder / shard), name) for shard, _ in shards]
+    for stream, (_, tokens) in zip(streams, shards):
+        if stream.tokens != tokens or stream.dtype != dtype:
+            raise bad(stream.files[0], f"holds {stream.tokens} {stream.dtype} tokens, the manifest says {tokens} {dtype}",
                       "prepare the folder again")
-    dtype = streams[0].dtype if streams else np.dtype(manifest["dtype"])
-    return TokenStream(
-        name, [s.files[0] for s in streams], dtype, [s.tokens for s in streams], manifest["documents"], manifest
-    )
+    return TokenStream(name, [s.files[0] for s in streams], dtype, [s.tokens for s in streams], documents, made_with)
 
 
 def write_index(path: Path, dtype: np.dtype, lengths: np.ndarray) -> None:

@@ -4,14 +4,15 @@
 gives each source its share of the samples. The schedule is Megatron's blending rule (each sample
 goes to the source furthest behind its share: megatron/core/datasets/helpers.cpp,
 build_blending_indices), run once over one period of D samples, where D is the common denominator
-of the normalized weights as written ("0.7" is 7/10). Every D consecutive samples then hold exactly
-weight x D of each source, and any stretch of samples is within two of its share (measured: under
-1.6). It is a pure function of the sample index, so any rank finds any sample's source and its
+of the normalized weights as written ("0.7" is 7/10; past 65,536 the shares are rounded to
+1/65,536, each at least that). Every D consecutive samples then hold exactly weight x D of each
+source, and any stretch of samples is within two of its share (measured: under 1.6). It is a pure function of the sample index, so any rank finds any sample's source and its
 index within that source without talking to others.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -58,7 +59,9 @@ def parse_mixture(items: list[str], key: str) -> list[Part]:
 
 
 def source_name(path: str) -> str:
-    stem = Path(path.rstrip("/")).name
+    """The path's last part before any glob: '/data/olmo/*.npy' is 'olmo'."""
+    plain = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), Path(path.rstrip("/")).parts))
+    stem = plain[-1] if plain else ""
     for suffix in (".npy", ".bin", ".idx"):
         stem = stem.removesuffix(suffix)
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) or "source"
@@ -111,4 +114,7 @@ def period_counts(fractions: list[Fraction]) -> list[int]:
     by_remainder = sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))
     for i in by_remainder[: MAX_PERIOD - sum(counts)]:
         counts[i] += 1
+    for i in [i for i, c in enumerate(counts) if c == 0]:  # a tiny weight still reads its source
+        counts[i] = 1
+        counts[counts.index(max(counts))] -= 1
     return counts

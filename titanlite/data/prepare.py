@@ -12,6 +12,7 @@ resumes where it stopped; the same input gives the same bytes. `--verify OUT` ch
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import itertools
 import json
@@ -24,25 +25,37 @@ from pathlib import Path
 import numpy as np
 
 from titanlite.config import JobConfig, parse_args
-from titanlite.data.formats import MANIFEST, MANIFEST_FORMAT, read_manifest, write_index
+from titanlite.data.formats import MANIFEST, MANIFEST_FORMAT, PROGRESS, read_manifest, write_index
 from titanlite.data.sources import TOKEN_KINDS, split_source
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 
-PROGRESS = "progress.json"
 CHUNK = 256  # documents per task handed to a worker
 
-_tokenizer = None
+IN_FLIGHT = 4  # chunks per worker handed out ahead: the workers stay busy, memory stays bounded
+
+_tokenizer, _dtype = None, None
 
 
-def _start_worker(location: str, key: str) -> None:
-    global _tokenizer
+def _start_worker(location: str, key: str, dtype: str) -> None:
+    global _tokenizer, _dtype
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    _tokenizer = build_tokenizer(location, key)
+    _tokenizer, _dtype = build_tokenizer(location, key), np.dtype(dtype)
 
 
-def _encode(texts: list[str]) -> list[list[int]]:
-    return [_tokenizer.encode(text) for text in texts]
+def _encode(texts: list[str]) -> list[np.ndarray]:
+    return [np.asarray(_tokenizer.encode(text), dtype=_dtype) for text in texts]
+
+
+def in_order(pool, chunks, workers: int):
+    """Each chunk's tokens, in the chunks' order, with at most IN_FLIGHT x workers chunks out at once."""
+    pending = collections.deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_encode, (chunk,)))
+        if len(pending) >= IN_FLIGHT * workers:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -67,12 +80,14 @@ class ShardWriter:
 
     def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, done: dict):
         self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
-        self.shards, self.documents = done["shards"], done["documents"]  # finished ones
+        self.shards, self.documents, self.inputs = done["shards"], done["documents"], done["inputs"]  # finished ones
         self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
 
-    def add(self, ids: list[int]) -> None:
-        self.pending.append(np.asarray(ids, dtype=self.dtype))
-        if sum(len(p) for p in self.pending) >= self.shard_tokens:
+    def add(self, ids: np.ndarray) -> None:
+        self.pending.append(ids)
+        self.pending_tokens += len(ids)
+        if self.pending_tokens >= self.shard_tokens:
             self.flush()
 
     def flush(self) -> None:
@@ -83,14 +98,14 @@ class ShardWriter:
         tmp = self.out / f"{name}.idx.tmp"
         write_index(tmp, self.dtype, np.array([len(p) for p in self.pending]))
         tmp.replace(self.out / f"{name}.idx")
-        tokens = sum(len(p) for p in self.pending)
         self.shards.append({
-            "name": name, "tokens": tokens, "documents": len(self.pending),
+            "name": name, "tokens": self.pending_tokens, "documents": len(self.pending),
             "bin_sha256": sha256(self.out / f"{name}.bin"), "idx_sha256": sha256(self.out / f"{name}.idx"),
         })
         self.documents += len(self.pending)
-        self.pending = []
-        atomic_write(self.out / PROGRESS, json.dumps({"shards": self.shards, "documents": self.documents}).encode())
+        self.pending, self.pending_tokens = [], 0
+        progress = {"shards": self.shards, "documents": self.documents, "inputs": self.inputs}
+        atomic_write(self.out / PROGRESS, json.dumps(progress).encode())
 
 
 def prepare(config: JobConfig, out: Path, split: str, workers: int, shard_tokens: int) -> dict:
@@ -99,21 +114,31 @@ def prepare(config: JobConfig, out: Path, split: str, workers: int, shard_tokens
 
     from titanlite.data.dataset import open_source, readable
 
-    if (out / MANIFEST).is_file():
-        print(f"{out} is already prepared ({MANIFEST} present)", file=sys.stderr)
-        return read_manifest(out)
     source = split_source(config, split)
     if source.kind in TOKEN_KINDS:
         raise ConfigError(f"training.dataset: '{source.name}' is token files already; train from it directly")
     location, key = config.tokenizer
     tokenizer = build_tokenizer(location, key)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    field = config.training.dataset_text_field
+    # What the folder's bytes depend on: a resumed or repeated run must be given the same.
+    where = str(Path(source.name).resolve()) if source.kind == "files" else source.name
+    inputs = {"source": where, "split": split, "text_field": field, "tokenizer_sha256": tokenizer.fingerprint,
+              "dtype": dtype.name, "shard_tokens": shard_tokens}
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"'{out}' is a file; give a folder to write the shards into")
+    if (out / MANIFEST).is_file():
+        check_same_inputs(out / MANIFEST, read_manifest(out).get("inputs"), inputs)
+        print(f"{out} is already prepared from these inputs ({MANIFEST} present)", file=sys.stderr)
+        return read_manifest(out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):  # a write the last run did not finish
         stale.unlink()
-    done = json.loads((out / PROGRESS).read_text()) if (out / PROGRESS).is_file() else {"shards": [], "documents": 0}
+    done = {"shards": [], "documents": 0, "inputs": inputs}
+    if (out / PROGRESS).is_file():
+        done = json.loads((out / PROGRESS).read_text())
+        check_same_inputs(out / PROGRESS, done.get("inputs"), inputs)
     writer = ShardWriter(out, dtype, shard_tokens, done)
-    field = config.training.dataset_text_field
     documents = readable(open_source(source, split), source.name if source.kind == "files" else None)
 
     def texts():
@@ -122,15 +147,15 @@ def prepare(config: JobConfig, out: Path, split: str, workers: int, shard_tokens
                 raise ConfigError(f"training.dataset_text_field='{field}' is not a column of the dataset; columns: {sorted(doc)}")
             yield doc[field]
 
-    chunks = iter(lambda: list(itertools.islice(texts_iter, CHUNK)), [])
-    texts_iter = texts()
+    remaining = texts()
+    chunks = iter(lambda: list(itertools.islice(remaining, CHUNK)), [])
     bar = tqdm(unit="tok", unit_scale=True, desc=f"prepare {out.name}", file=sys.stderr, mininterval=1.0)
     start = time.perf_counter()
     if workers > 1:
-        pool = get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(location, key))
-        encoded = pool.imap(_encode, chunks)  # in order: the shards do not depend on the worker count
+        pool = get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(location, key, dtype.name))
+        encoded = in_order(pool, chunks, workers)  # the shards do not depend on the worker count
     else:
-        _start_worker(location, key)
+        _start_worker(location, key, dtype.name)
         pool, encoded = None, map(_encode, chunks)
     tokens = 0
     try:
@@ -146,11 +171,11 @@ def prepare(config: JobConfig, out: Path, split: str, workers: int, shard_tokens
         bar.close()
     seconds = time.perf_counter() - start
     manifest = {
-        "format": MANIFEST_FORMAT, "version": 1, "source": source.name, "split": split, "text_field": field,
+        "format": MANIFEST_FORMAT, "version": 1,
         "tokenizer": {"location": location, "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.fingerprint,
                       "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
         "dtype": dtype.name, "tokens": sum(s["tokens"] for s in writer.shards), "documents": writer.documents,
-        "shards": writer.shards,
+        "shards": writer.shards, "inputs": inputs,
     }
     atomic_write(out / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     (out / PROGRESS).unlink(missing_ok=True)
@@ -158,6 +183,14 @@ def prepare(config: JobConfig, out: Path, split: str, workers: int, shard_tokens
           f"{len(writer.shards)} shard(s); this run tokenized {tokens:,} tokens in {seconds:.1f}s "
           f"({tokens / max(seconds, 1e-9):,.0f} tokens/s, {workers} process(es))", file=sys.stderr)
     return manifest
+
+
+def check_same_inputs(path: Path, recorded: dict | None, inputs: dict) -> None:
+    changed = [key for key in inputs if (recorded or {}).get(key) != inputs[key]]
+    if changed:
+        was = ", ".join(f"{key}={(recorded or {}).get(key)!r}" for key in changed)
+        now = ", ".join(f"{key}={inputs[key]!r}" for key in changed)
+        raise ConfigError(f"{path} records {was}, but this run has {now}; give the same inputs, or another folder")
 
 
 def verify(out: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from titanlite.config import JobConfig
-from titanlite.data.formats import MANIFEST, TokenStream, open_megatron, open_numpy, open_prepared
+from titanlite.data.formats import MANIFEST, PROGRESS, TokenStream, open_megatron, open_numpy, open_prepared
 from titanlite.data.mixture import Part, parse_mixture, source_name
 from titanlite.errors import ConfigError
 
@@ -143,6 +143,11 @@ def resolve_source(name: str, path: str | None, section: str = "training") -> So
     location = os.path.expanduser(path or name)
     if os.path.isfile(os.path.join(location, MANIFEST)):
         return Source("prepared", location)
+    if os.path.isfile(os.path.join(location, PROGRESS)):
+        raise ConfigError(
+            f"{section}.dataset_path='{location}' is a folder `python -m titanlite.data.prepare` has not finished (no "
+            f"{MANIFEST}, a {PROGRESS}); run the same prepare command again to finish it"
+        )
     prefix = location.removesuffix(".bin").removesuffix(".idx")
     if os.path.isfile(prefix + ".idx") or os.path.isfile(prefix + ".bin"):
         return Source("megatron", prefix)
@@ -219,7 +224,7 @@ def open_token_parts(parts: list[tuple[Part, Source]], tokenizer, seq_len: int, 
                 f"{seq_len + 1}; give more data or a shorter seq_len"
             )
         streams.append(stream)
-    prepared = [(part, s.manifest["tokenizer"]) for (part, _), s in zip(parts, streams) if s.manifest]
+    prepared = [(part, s.made_with) for (part, _), s in zip(parts, streams) if s.made_with]
     for (part, made_with), (other, other_made_with) in zip(prepared, prepared[1:]):
         if (made_with["vocab_size"], made_with["sha256"]) != (other_made_with["vocab_size"], other_made_with["sha256"]):
             raise ConfigError(

@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from titanlite.data.formats import TokenStream
 from titanlite.data.mixture import Schedule
+from titanlite.errors import ConfigError
 
 MASK64 = (1 << 64) - 1
 
@@ -100,11 +101,12 @@ class MixedWindows(IterableDataset, Stateful):
 
     def __init__(
         self, streams: list[TokenStream], weights: list[Fraction], seq_len: int, batch: int, rank: int, ranks: int,
-        shuffle: bool, seed: int, limit: int | None = None,
+        shuffle: bool, seed: int, vocab_size: int, limit: int | None = None,
     ):
         self.sources = [SourceWindows(s, i, seq_len + 1, shuffle, seed) for i, s in enumerate(streams)]
         self.schedule = Schedule(weights)
         self.batch, self.rank, self.ranks, self.limit = batch, rank, ranks, limit
+        self.vocab_size = vocab_size
         self.sample = 0  # the next global microbatch's first sample (all ranks' rows counted)
         self.worker_sample: int | None = None  # a loader worker's own position, once it has one
 
@@ -129,6 +131,13 @@ class MixedWindows(IterableDataset, Stateful):
         out = np.empty((len(samples), self.sources[0].window), dtype=np.int64)
         for row, (s, start) in enumerate(zip(sources, starts)):
             out[row] = self.sources[s].read(int(start))  # widened to int64 as it is copied
+        if out.min() < 0 or out.max() >= self.vocab_size:  # else an index error deep in the embedding (a device assert on GPU)
+            row = int(np.flatnonzero((out < 0).any(1) | (out >= self.vocab_size).any(1))[0])
+            name = self.sources[sources[row]].stream.name
+            raise ConfigError(
+                f"token files of source '{name}' hold ids outside this run's vocabulary of {self.vocab_size} (from "
+                f"{int(out[row].min())} to {int(out[row].max())}); they were written for another tokenizer or dtype"
+            )
         return torch.from_numpy(out)
 
     def samples_per_source(self, samples: int) -> np.ndarray:

@@ -32,15 +32,20 @@ def document_layout(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(document ids, positions), each (batch, seq), of packed windows: a document starts at each BOS
     and after each EOS (Megatron's and OLMo's token files end documents with EOS and have no BOS; a
-    window's first tokens may be the tail of an earlier one). Where BOS and EOS are one token
-    (GPT-2's and Qwen's <|endoftext|>), documents are joined by pairs of it, and the second one
-    starts the next document. Positions count from the window's start, or with `reset_positions`
-    from each document's (its first token is at 0, as if alone)."""
+    window's first tokens may be the tail of an earlier one). Where BOS and EOS are one token E
+    (GPT-2's and Qwen's <|endoftext|>), a document starts after an E that does not follow an E:
+    the second of a pair (titanlite's text: E doc E, E doc E) or the token after a lone one
+    (Megatron's and OLMo's files). Positions count from the window's start, or with
+    `reset_positions` from each document's (its first token is at 0, as if alone)."""
     starts = tokens == bos_id
     if eos_id is not None:
-        after_eos = torch.full_like(starts, eos_id == bos_id)  # the first token: after an EOS, maybe
+        after_eos = torch.zeros_like(starts)
         after_eos[:, 1:] = tokens[:, :-1] == eos_id
-        starts = starts & after_eos if eos_id == bos_id else starts | after_eos
+        if eos_id == bos_id:
+            starts = after_eos.clone()
+            starts[:, 2:] &= tokens[:, :-2] != eos_id
+        else:
+            starts |= after_eos
     document_ids = starts.cumsum(dim=1)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     if reset_positions:
