@@ -129,7 +129,7 @@ def bare_loop(args: list[str], steps: int, warmup: int) -> float:
     from titanlite.data.dataset import build_dataloader
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.models import FAMILIES, model_args
-    from titanlite.optim import build_optimizer
+    from titanlite.optim.build import build_optimizer
     from titanlite.train import reuse_freed_host_memory
 
     if not torch.cuda.is_available():

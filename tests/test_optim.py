@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from titanlite.config import parse_args
-from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor
+from titanlite.optim.build import build_optimizer
+from titanlite.optim.clip import clip_grad_norm_
+from titanlite.optim.schedule import build_lr_scheduler, lr_factor
 
 
 def test_warmup_then_linear_decay_to_min():
@@ -68,7 +70,7 @@ def _partial_gradients_summed() -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
 
-    from titanlite.optim import reduce_partial_grads
+    from titanlite.optim.clip import reduce_partial_grads
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rank = dist.get_rank()

@@ -132,7 +132,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.loss import cross_entropy_sum  # the trainer's (test_loss.py holds it to torch's)
     from titanlite.models.common.fqn import canonical_fqn
     from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
-    from titanlite.optim import lr_factor
+    from titanlite.optim.schedule import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
     from titanlite.trainer import Trainer
 

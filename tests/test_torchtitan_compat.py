@@ -127,7 +127,7 @@ def test_first_step_checkpoint_load_only_and_total_steps(corpus_jsonl, tmp_path)
     assert "loaded checkpoint" in out.stdout and sorted(p.name for p in folder.iterdir()) == ["step-1", "step-3"]
 
     from titanlite.config import parse_args
-    from titanlite.optim import build_lr_scheduler
+    from titanlite.optim.schedule import build_lr_scheduler
 
     def lrs(steps, *extra):
         config = parse_args(["--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1", *extra])

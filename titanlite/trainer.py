@@ -34,7 +34,9 @@ from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
 from titanlite.models.common.attention import document_layout
 from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
-from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, reduce_partial_grads
+from titanlite.optim.build import build_optimizer
+from titanlite.optim.clip import clip_grad_norm_, reduce_partial_grads
+from titanlite.optim.schedule import build_lr_scheduler
 from titanlite.parallel.activation_checkpoint import check_replays_done, replays
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
 from titanlite.parallel.dims import ParallelDims
