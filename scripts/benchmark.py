@@ -140,7 +140,7 @@ def bare_loop(args: list[str], steps: int, warmup: int) -> float:
     args = model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, t.seq_len, config.model.n_layers, config.model)
     model = FAMILIES[config.model.name].plan.build(args)
     model.init_weights(config.debug.seed or 0)
-    optimizer = build_optimizer(model.parameters(), config)
+    optimizer = build_optimizer(model.named_parameters(), config)
     batches = [b for _, b in zip(range(steps), build_dataloader(config, tokenizer, 0, 1))]
     start = 0.0
     for i, (x, y) in enumerate(batches):

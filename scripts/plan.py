@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from pathlib import Path
 
@@ -77,6 +77,8 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: 2 per GPU)")
     parser.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None,
                         help="only float8 (--float8) or only bf16 (--no-float8) layouts; default both")
+    parser.add_argument("--optimizer", choices=("AdamW", "Muon"), default="AdamW",
+                        help="Muon keeps one buffer per hidden matrix's parameter, AdamW two")
     parser.add_argument("--layout", help="estimate one layout, e.g. dp_shard=8,tp=2,ac=op,microbatch=1")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--published", action="store_true", help="predictions for the published runs (docs/planner.md)")
@@ -124,7 +126,7 @@ def main() -> int:
     print(f"{args.model if not args.dims else args.dims}: {model.num_params() / 1e9:.1f}B params; {args.gpus} x {gpu.name} "
           f"({gpu.hbm_bytes / GIB:.0f} GiB); seq {args.seq_len}, global batch {global_batch} sequences")
     if args.layout:
-        layout = parse_layout(args.layout)
+        layout = replace(parse_layout(args.layout), muon=args.optimizer == "Muon")
         if layout.gpus != args.gpus:
             print(f"plan.py: --layout uses {layout.gpus} GPUs, not --gpus {args.gpus}", file=sys.stderr)
             return 2
@@ -137,7 +139,7 @@ def main() -> int:
             return 2
         print(command(layout))
         return 0
-    fitting, rejected = plan(model, args.seq_len, global_batch, gpu, args.gpus, args.float8)
+    fitting, rejected = plan(model, args.seq_len, global_batch, gpu, args.gpus, args.float8, muon=args.optimizer == "Muon")
     print(f"{len(fitting)} layouts fit, {len(rejected)} do not\n")
     print(f"{'layout':<70} {'GiB/GPU':>8} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}")
     for e in fitting[: args.top]:

@@ -42,7 +42,7 @@ def test_warmup_longer_than_training_never_decays():
 def test_scheduler_drives_optimizer_lr():
     config = parse_args(["--optimizer.lr", "0.1", "--training.steps", "4", "--lr_scheduler.warmup_steps", "2"])
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = build_optimizer([p], config)
+    opt = build_optimizer([("p", p)], config)
     sched = build_lr_scheduler(opt, config)
     lrs = []
     for _ in range(4):

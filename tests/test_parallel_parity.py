@@ -132,6 +132,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.loss import cross_entropy_sum  # the trainer's (test_loss.py holds it to torch's)
     from titanlite.models.common.fqn import canonical_fqn
     from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
+    from titanlite.optim.build import build_optimizer
     from titanlite.optim.schedule import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
     from titanlite.trainer import Trainer
@@ -153,9 +154,12 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     set_batch(ref_moe, trainer.accumulation_steps * t.local_batch_size * trainer.dp_degree, t.seq_len, len(forwards))
     for converter in trainer.converters:  # float8: the same modules converted, by the trainer's own filters
         converter.convert(reference, trainer.plan)
-    ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
-        reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    if o.name == "Muon":  # one process's Muon: tests/test_muon.py holds it to torch.optim.Muon, bit for bit
+        ref_opt = build_optimizer(reference.named_parameters(), config)
+    else:
+        ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
+            reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+        )
     ref_sched = torch.optim.lr_scheduler.LambdaLR(
         ref_opt, lambda i: lr_factor(i, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor)
     )

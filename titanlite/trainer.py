@@ -34,7 +34,7 @@ from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
 from titanlite.models.common.attention import document_layout
 from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
-from titanlite.optim.build import build_optimizer
+from titanlite.optim.build import build_optimizer, check_adamw_params
 from titanlite.optim.clip import clip_grad_norm_, reduce_partial_grads
 from titanlite.optim.schedule import build_lr_scheduler
 from titanlite.parallel.activation_checkpoint import check_replays_done, replays
@@ -159,7 +159,9 @@ class Trainer:
 
         # One optimizer and lr schedule per model part (pipeline stage): checkpoints key the optimizer
         # state by parameter name through the module that owns the parameters.
-        self.optimizers = [build_optimizer(part.parameters(), config) for part in self.model_parts]
+        self.optimizers = [build_optimizer(part.named_parameters(), config) for part in self.model_parts]
+        if config.optimizer.name == "Muon":
+            check_adamw_params(config, self.model_parts, device)
         self.lr_schedulers = [build_lr_scheduler(opt, config) for opt in self.optimizers]
 
         batch_mesh = self.dims.get_mesh("batch")

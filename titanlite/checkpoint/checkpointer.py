@@ -380,7 +380,8 @@ class Checkpointer:
                 }
         for key, value in _flatten_items(state):
             if not isinstance(metadata.get(key), TensorStorageMetadata):
-                raise ConfigError(f"checkpoint '{path}' has no entry '{key}'; it was not written by this titanlite")
+                raise ConfigError(optimizer_change(path, key, metadata, t.config.optimizer.name)
+                                  or f"checkpoint '{path}' has no entry '{key}'; it was not written by this titanlite")
             if tuple(metadata[key].size) != tuple(value.shape):  # else DCP's size error reads like damage
                 raise ConfigError(
                     f"checkpoint '{path}' entry '{key}' has shape {list(metadata[key].size)}, this run's {list(value.shape)}: "
@@ -452,6 +453,22 @@ class Checkpointer:
                 "training.data_split='documents' gives each rank its own documents; the data starts from the "
                 "beginning (model, optimizer, step and lr schedule are restored). Use data_split='sequences' to keep it"
             )
+
+
+# The state each optimizer keeps per parameter: a checkpoint of one read by the other names the change.
+OPTIMIZER_STATES = {"momentum_buffer": "Muon", "exp_avg": "AdamW or Adam"}
+
+
+def optimizer_change(path: Path, missing: str, metadata, name: str) -> str | None:
+    """The line for a checkpoint whose optimizer state another optimizer saved, or None."""
+    wanted = missing.rsplit(".", 1)[-1] if missing.startswith("optimizer.") else None
+    saved = {OPTIMIZER_STATES[k.rsplit(".", 1)[-1]] for k in metadata if k.startswith("optimizer.")
+             and k.rsplit(".", 1)[-1] in OPTIMIZER_STATES}
+    if wanted not in OPTIMIZER_STATES or not saved or saved == {OPTIMIZER_STATES[wanted]}:
+        return None
+    return (f"checkpoint '{path}' holds the optimizer state of {' and '.join(sorted(saved))}, but optimizer.name='{name}' "
+            f"keeps '{wanted}' for {missing.removeprefix('optimizer.state.').rsplit('.', 1)[0]}: the optimizer changed; "
+            "set checkpoint.exclude_from_loading=['optimizer'] to start it anew from the saved weights, or the saved optimizer")
 
 
 def _flatten_items(state: dict, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

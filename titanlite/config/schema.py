@@ -127,7 +127,10 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    name: str = opt(
+        "AdamW", "optimizer; Muon: Muon for the hidden matrices, AdamW (beta1, beta2, eps, adamw_lr, "
+        "adamw_weight_decay) for adamw_params and every parameter of fewer than 2 dims", choices=("AdamW", "Adam", "Muon"),
+    )
     lr: float = opt(8e-4, "peak learning rate")
     beta1: float = opt(0.9, "Adam beta1")
     beta2: float = opt(0.95, "Adam beta2")
@@ -136,6 +139,23 @@ class Optimizer:
     implementation: str = opt(
         "fused", "Adam kernel: fused, foreach or for-loop", choices=("for-loop", "foreach", "fused")
     )
+    momentum: float = opt(0.95, "Muon's momentum (a running average of the gradients)", extension=True)
+    nesterov: bool = opt(True, "Muon's Nesterov momentum", extension=True)
+    ns_steps: int = opt(5, "Muon's Newton-Schulz steps", extension=True)
+    ns_dtype: str = opt(
+        "bfloat16", "dtype Muon's Newton-Schulz runs in (bfloat16, as torch.optim.Muon's)", choices=("bfloat16", "float32"),
+        extension=True,
+    )
+    adjust_lr_fn: str = opt(
+        "original", "Muon's lr per matrix shape: original sqrt(max(1, rows/cols)), or match_rms_adamw 0.2 sqrt(max(rows, cols))",
+        choices=("original", "match_rms_adamw"), extension=True,
+    )
+    adamw_params: list[str] = opt(
+        ["tok_embeddings", "output", "router"],
+        "with Muon: parameters AdamW takes, by module name (a glob on any dotted part of the name)", extension=True,
+    )
+    adamw_lr: float | None = opt(None, "with Muon: AdamW's lr; none = lr", extension=True)
+    adamw_weight_decay: float | None = opt(None, "with Muon: AdamW's weight decay; none = weight_decay", extension=True)
     early_step_in_backward: bool = opt(
         False, "step the optimizer inside backward", not_implemented="it cannot clip gradients; leave it false"
     )

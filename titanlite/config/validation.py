@@ -157,6 +157,9 @@ def validate(config: JobConfig) -> None:
         f"training.dataloader.num_workers={t.dataloader.num_workers} with training.data_split='sequences': workers "
         "would each read a part of the one stream every rank reads in full; use num_workers <= 1 or data_split='documents'",
     )
+    o = config.optimizer
+    _require(o.momentum >= 0, f"optimizer.momentum={o.momentum} must be >= 0")
+    _require(1 <= o.ns_steps < 100, f"optimizer.ns_steps={o.ns_steps} must be between 1 and 99")
     for key, settings in (("training", t), ("validation", v)):
         _require(
             not (settings.dataset_mixture and settings.dataset_path),

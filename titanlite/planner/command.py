@@ -60,6 +60,7 @@ def run_flags(layout: Layout, model: ModelArgs, global_batch: int) -> list[str]:
     ac = {"none": ["none"], "op": ["selective", "--activation_checkpoint.selective_ac_option", "op"], "full": ["full"]}[layout.ac]
     flags += ["--activation_checkpoint.mode", *ac]
     flags += ["--model.converters", "float8" if layout.float8 else ""]
+    flags += ["--optimizer.name", "Muon"] if layout.muon else []
     flags += ["--compile.enable", str(layout.compile).lower()]
     flags += [f"{p}enable_async_tensor_parallel", str(layout.tp_overlap).lower()]
     return flags

@@ -2,7 +2,8 @@
 
 Memory per GPU (bytes):
   states       16 B per parameter of the largest pipeline stage (fp32 weight, fp32 grad, AdamW's two
-               fp32 moments), sharded by tp x dp_shard x cp (FSDP's group is dp_shard x cp)
+               fp32 moments; 12 B under Muon, one momentum, for all but the embedding and output),
+               sharded by tp x dp_shard x cp (FSDP's group is dp_shard x cp)
   gathered     FSDP's working copies: unsharded weights (compute dtype) and gradients of two blocks
                (of the whole stage under PP, which keeps them gathered across microbatches)
   activations  what autograd keeps per block and microbatch (counted tensor by tensor below), times
@@ -133,6 +134,7 @@ class Layout:
     ep_overlap: bool = False
     cp_allgather: bool = False
     accumulation: int = 1  # pipeline schedules a step (gradient accumulation), each draining the pipeline
+    muon: bool = False  # optimizer.name = "Muon": one fp32 buffer per hidden matrix (AdamW's two for the rest)
     last_stage_blocks: int = 0  # blocks on the last pipeline rank where a published layout fixes them (0: the best split)
 
     @property
@@ -214,10 +216,18 @@ def estimate(
     # Memory. ZeRO-1: bf16 weights and fp32 gradients whole, the fp32 master weights and Adam's
     # moments sharded over the replicas (and cp, which Megatron's optimizer shards over too); the
     # routed experts' whole on their EP rank, sharded over edp.
+    # Muon: 4 B of momentum for each hidden matrix's parameter where AdamW keeps 8 B of moments; the
+    # embedding and output (AdamW's beside it) keep theirs.
+    optimizer_dense, optimizer_experts = 8.0, 8.0
+    if L.muon:
+        adamw_share = min(1.0, model.vocab_size * model.dim * (2 if L.pp == 1 else 1) / dense)
+        optimizer_dense, optimizer_experts = 4 + 4 * adamw_share, 4.0
     if L.zero1:
-        est.memory["states"] = (6 + 12 / (L.dp_replicate * fsdp)) * dense / L.tp + (6 + 12 / edp) * expert_part / L.ep
+        est.memory["states"] = ((6 + (4 + optimizer_dense) / (L.dp_replicate * fsdp)) * dense / L.tp
+                                + (6 + (4 + optimizer_experts) / edp) * expert_part / L.ep)
     else:
-        est.memory["states"] = 16 * (dense / (L.tp * fsdp) + expert_part / L.ep * expert_shard)
+        est.memory["states"] = ((8 + optimizer_dense) * dense / (L.tp * fsdp)
+                                + (8 + optimizer_experts) * expert_part / L.ep * expert_shard)
     # The blocks FSDP holds gathered: a pipeline stage keeps all its blocks, otherwise two at a time.
     gathered_dense, gathered_experts = block_weights(model, heaviest_layers(model, blocks if L.pp > 1 else 2))
     sharded = fsdp > 1 and not L.zero1  # ZeRO-1 keeps the weights whole: nothing to gather

@@ -17,7 +17,7 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GPU, n_gpus: int,
-                      float8: bool | None = None) -> list[Layout]:
+                      float8: bool | None = None, muon: bool = False) -> list[Layout]:
     """Layouts titanlite can run on all n_gpus: TP inside an NVLink domain and dividing the kv heads
     (async TP), PP up to 16 stages (at least 2 blocks each; 1, 2 or 4 per rank), CP for sequences of
     8k and longer, HSDP across domains, every microbatch size and AC mode; float8 where the GPU has
@@ -49,7 +49,8 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
                     continue
                 # Compiled per block (fused elementwise kernels), and under TP with async TP (which
                 # needs compile), whose collectives overlap the GEMMs.
-                layout = Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8, vp, tp_overlap=tp > 1, compile=True)
+                layout = Layout(dp_replicate, dp_shard, tp, pp, cp, ep, microbatch, ac, f8, vp, tp_overlap=tp > 1, compile=True,
+                                muon=muon)
                 layouts.append(layout)
                 if vp == 2:  # titanlite's ZBVZeroBubble: 2 stages per rank
                     layouts.append(replace(layout, zero_bubble=True))
@@ -57,10 +58,10 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
 
 
 def plan(model: ModelArgs, seq_len: int, global_batch: int, gpu: GPU, n_gpus: int, float8: bool | None = None,
-         act_bytes: int = 2, overhead: float = GPU_OVERHEAD) -> tuple[list[Estimate], list[Estimate]]:
+         act_bytes: int = 2, overhead: float = GPU_OVERHEAD, muon: bool = False) -> tuple[list[Estimate], list[Estimate]]:
     """(layouts that fit, fastest first; layouts that do not fit, smallest memory first)."""
     estimates = [estimate(model, seq_len, global_batch, gpu, layout, act_bytes, overhead)
-                 for layout in candidate_layouts(model, seq_len, global_batch, gpu, n_gpus, float8)]
+                 for layout in candidate_layouts(model, seq_len, global_batch, gpu, n_gpus, float8, muon)]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time)
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_total)
     return fitting, rejected

@@ -1,0 +1,125 @@
+"""Muon: torch.optim.Muon's update bit for bit, one matrix per expert, AdamW beside it for what Muon
+should not take, checkpoints, bad input. Every layout against one process: test_parallel_parity.py's
+muon_* cases."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, run_command, tiny_args
+
+
+def muon(params, **change):
+    from titanlite.optim.muon import Muon
+
+    settings = dict(momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="bfloat16", adjust_lr_fn="original",
+                    adamw=dict(lr=0.02, weight_decay=0.1))
+    settings.update(change)
+    return Muon([{"params": params, "lr": 0.02, "weight_decay": 0.1}], [], **settings)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 64), (48, 48), (7, 130)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("adjust_lr_fn, nesterov", [("original", True), ("match_rms_adamw", True), ("original", False)])
+def test_each_matrix_takes_torch_muons_update_bit_for_bit(shape, adjust_lr_fn, nesterov):
+    """Wide, tall and square matrices, both lr adjustments, with and without Nesterov: 3 steps of
+    titanlite's Muon and torch.optim.Muon from the same weights and gradients give the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(shape, generator=gen)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    mine = muon([ours], adjust_lr_fn=adjust_lr_fn, nesterov=nesterov)
+    torch_muon = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    for _ in range(3):
+        grad = torch.randn(shape, generator=gen)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        torch_muon.step()
+    assert not torch.equal(ours, start) and torch.equal(ours, theirs)
+    assert torch.equal(mine.state[ours]["momentum_buffer"], torch_muon.state[theirs]["momentum_buffer"])
+
+
+def test_a_grouped_expert_weight_is_one_matrix_per_expert():
+    """(experts, rows, cols): each expert's update is torch.optim.Muon's on that expert alone."""
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randn(4, 24, 40, generator=gen)
+    experts = torch.nn.Parameter(start.clone())
+    singles = [torch.nn.Parameter(start[e].clone()) for e in range(4)]
+    mine, theirs = muon([experts]), torch.optim.Muon(singles, lr=0.02, weight_decay=0.1)
+    for _ in range(2):
+        grad = torch.randn(4, 24, 40, generator=gen)
+        experts.grad = grad.clone()
+        for e, p in enumerate(singles):
+            p.grad = grad[e].clone()
+        mine.step()
+        theirs.step()
+    assert all(torch.equal(experts[e], singles[e]) for e in range(4))
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    """Debug MoE model: the embedding, output, router gates, norms and biases go to AdamW (its own lr
+    and weight decay); attention and expert weights to Muon. A pattern matching nothing is refused."""
+    from titanlite.config import ConfigError, parse_args
+    from titanlite.models import build_model, model_args
+    from titanlite.optim.build import build_optimizer, check_adamw_params
+
+    config = parse_args(["--model.name", "moe", "--model.flavor", "debugmoe", "--optimizer.name", "Muon",
+                         "--optimizer.adamw_lr", "0.003", "--optimizer.adamw_weight_decay", "0.0"])
+    args = model_args("moe", "debugmoe", 259, 64, None, config.model)
+    with torch.device("meta"):
+        model = build_model("moe", args)
+    optimizer = build_optimizer(model.named_parameters(), config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_kind = {kind: sorted(names[id(p)] for g in optimizer.param_groups if g["muon"] == kind for p in g["params"])
+               for kind in (True, False)}
+    assert "layers.0.attention.wq.weight" in by_kind[True] and "layers.1.feed_forward.experts.w1" in by_kind[True]
+    adamw = by_kind[False]
+    assert {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.1.feed_forward.router.gate.weight"} <= set(adamw)
+    assert all(".attention." not in n or n.endswith("norm.weight") for n in adamw), adamw
+    assert {(g["lr"], g["weight_decay"]) for g in optimizer.param_groups if not g["muon"]} == {(0.003, 0.0)}
+    assert {(g["lr"], g["weight_decay"]) for g in optimizer.param_groups if g["muon"]} == {(config.optimizer.lr, 0.1)}
+    check_adamw_params(config, [model], torch.device("cpu"))  # the defaults pass on any family
+    config.optimizer.adamw_params = ["tok_embeddings", "no_such_module"]
+    with pytest.raises(ConfigError, match=r"\['no_such_module'\] match no part of any parameter's name"):
+        check_adamw_params(config, [model], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--optimizer.momentum", "-0.9", "optimizer.momentum=-0.9 must be >= 0"),
+    ("--optimizer.ns_steps", "0", "optimizer.ns_steps=0 must be between 1 and 99"),
+    ("--optimizer.ns_steps", "100", "optimizer.ns_steps=100 must be between 1 and 99"),
+])
+def test_bad_muon_settings_are_one_line(flag, value, words):
+    from titanlite.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        parse_args(["--optimizer.name", "Muon", flag, value])
+
+
+def test_muon_resumes_bit_for_bit_and_a_changed_optimizer_is_one_line(corpus_jsonl, tmp_path):
+    """4 steps straight against 2, a save, and 2 more: the same losses bit for bit (the momentum
+    buffers restored). An AdamW checkpoint loaded by a Muon run stops in one line naming the change."""
+    def train(folder, steps: int, *extra: str):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "titanlite.train",
+               *tiny_args(corpus_jsonl, folder, "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "2",
+                          "--lr_scheduler.decay_ratio", "0", "--training.data_split", "sequences", *extra)]
+        return run_command(cmd, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def losses(folder):
+        return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+    muon_args = ["--optimizer.name", "Muon", "--optimizer.lr", "0.02"]
+    assert train(tmp_path / "straight", 4, *muon_args).returncode == 0
+    assert train(tmp_path / "resumed", 2, *muon_args).returncode == 0
+    out = train(tmp_path / "resumed", 4, *muon_args)
+    assert out.returncode == 0 and "loaded checkpoint" in out.stdout, out.stderr[-2000:]
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert len(straight) == len(resumed) == 4 and straight == resumed and all(x == x for x in straight)
+    assert train(tmp_path / "adamw", 2).returncode == 0
+    changed = train(tmp_path / "adamw", 4, *muon_args)
+    assert changed.returncode != 0 and "exitcode  : 2" in changed.stderr, changed.stderr[-2000:]  # the rank's exit 2
+    assert "holds the optimizer state of AdamW or Adam, but optimizer.name='Muon' keeps 'momentum_buffer'" in changed.stderr

@@ -1,0 +1,102 @@
+"""Muon for the hidden matrices, AdamW beside it for the rest, in one optimizer (one state to save).
+
+Each matrix's update is what torch.optim.Muon's code computes (torch/optim/_muon.py): momentum as a
+running average (`lerp`), Nesterov, the quintic Newton-Schulz iteration on the whole matrix (the
+wide way round, normalized by its Frobenius norm), decoupled weight decay with the unadjusted lr,
+the lr adjusted to the matrix's shape ("original": sqrt(max(1, rows / cols)); "match_rms_adamw":
+0.2 sqrt(max(rows, cols))). Newton-Schulz runs in bf16 as torch's does, or in `ns_dtype`. A grouped
+expert weight (experts, rows, cols) is one matrix per expert. On any layout a sharded parameter's
+update is gathered whole, orthogonalized, and this rank keeps its own piece (DTensor's own slicing),
+so every layout computes the update of one process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic
+EPS = 1e-7
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """Newton-Schulz's approximate U V^T of a 2-D `update` = U S V^T, in `dtype`."""
+    a, b, c = COEFFICIENTS
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def lr_scale(adjust_lr_fn: str, rows: int, cols: int) -> float:
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def own_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full`, placed as `like` is (no communication: a replicated tensor sliced)."""
+    if not isinstance(like, DTensor):
+        return full
+    replicated = DTensor.from_local(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+    return replicated.redistribute(like.device_mesh, like.placements).to_local()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class Muon(torch.optim.Optimizer):
+    """Groups with "muon": True take Muon's update; the others take AdamW's (torch.optim.AdamW, run
+    on those groups with this optimizer's state, so one state dict holds both)."""
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], *, momentum: float, nesterov: bool,
+                 ns_steps: int, ns_dtype: str, adjust_lr_fn: str, adamw: dict):
+        self.adamw = torch.optim.AdamW(adamw_groups, **adamw) if adamw_groups else None
+        groups = [dict(g, muon=True) for g in muon_groups] + [dict(g, muon=False) for g in (self.adamw.param_groups if self.adamw else [])]
+        defaults = dict(lr=adamw["lr"], weight_decay=adamw["weight_decay"], momentum=momentum, nesterov=nesterov,
+                        ns_steps=ns_steps, ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn)
+        super().__init__(groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group["muon"]:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._muon_update(p, group)
+        if self.adamw is not None:
+            # The same group dicts and state, re-linked: load_state_dict replaces both objects.
+            self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+            self.adamw.state = self.state
+            self.adamw.step()
+
+    def _muon_update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        grad, buf = local(p.grad), local(state["momentum_buffer"])
+        buf.lerp_(grad, 1 - group["momentum"])
+        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        if isinstance(p, DTensor):
+            update = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+        full = whole(update)
+        matrices = full if full.ndim == 3 else full.unsqueeze(0)  # a grouped expert weight: one matrix per expert
+        ns = [orthogonalize(m, group["ns_steps"], DTYPES[group["ns_dtype"]]) for m in matrices]
+        orthogonal = torch.stack(ns).reshape(full.shape)
+        rows, cols = matrices.shape[-2:]
+        param = local(p)
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.add_(own_piece(orthogonal, p).to(param.dtype), alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], rows, cols))
