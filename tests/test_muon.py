@@ -123,3 +123,39 @@ def test_muon_resumes_bit_for_bit_and_a_changed_optimizer_is_one_line(corpus_jso
     changed = train(tmp_path / "adamw", 4, *muon_args)
     assert changed.returncode != 0 and "exitcode  : 2" in changed.stderr, changed.stderr[-2000:]  # the rank's exit 2
     assert "holds the optimizer state of AdamW or Adam, but optimizer.name='Muon' keeps 'momentum_buffer'" in changed.stderr
+
+
+def spread_on_ranks() -> dict:
+    """On 2 gloo ranks: FSDP-like Shard(0) matrices (uneven ones too) orthogonalized by their owners
+    against every rank gathering every matrix: the same pieces, each matrix orthogonalized once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titanlite.optim.muon import orthogonalize
+    from titanlite.optim.owners import orthogonal_pieces
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (33, 40), (16, 96), (3, 20, 24), (48, 48), (5, 7)]
+    params = [distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)]) for s in shapes]
+    updates = [p.to_local().clone() for p in params]
+    calls = []
+
+    def orthogonal(full):
+        calls.append(tuple(full.shape))
+        matrices = full if full.ndim == 3 else full.unsqueeze(0)
+        return torch.stack([orthogonalize(m, 5, torch.float32) for m in matrices]).reshape(full.shape)
+
+    spread = orthogonal_pieces(params, updates, orthogonal, owners=True)
+    mine = list(calls)
+    everywhere = orthogonal_pieces(params, updates, orthogonal, owners=False)
+    return {"equal": all(torch.equal(a, b) for a, b in zip(spread, everywhere)), "mine": mine, "shapes": shapes}
+
+
+def test_owners_orthogonalize_each_matrix_once_and_send_back_every_rank_gathering_its_pieces():
+    from distributed import run_distributed
+
+    results = run_distributed(spread_on_ranks, 2)
+    assert all(r["equal"] for r in results)
+    owned = [r["mine"] for r in results]
+    assert sorted(owned[0] + owned[1]) == sorted(map(tuple, results[0]["shapes"])) and owned[0] and owned[1], owned

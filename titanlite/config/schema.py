@@ -150,6 +150,11 @@ class Optimizer:
         "original", "Muon's lr per matrix shape: original sqrt(max(1, rows/cols)), or match_rms_adamw 0.2 sqrt(max(rows, cols))",
         choices=("original", "match_rms_adamw"), extension=True,
     )
+    ns_distribution: str = opt(
+        "owners", "where Muon's Newton-Schulz runs: owners (each sharded matrix gathered on one rank, round-robin, "
+        "its pieces sent back) or every_rank (each rank gathers every matrix: Moonlight's Algorithm 1)",
+        choices=("owners", "every_rank"), extension=True,
+    )
     adamw_params: list[str] = opt(
         ["tok_embeddings", "output", "router"],
         "with Muon: parameters AdamW takes, by module name (a glob on any dotted part of the name)", extension=True,

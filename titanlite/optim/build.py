@@ -30,7 +30,7 @@ def build_optimizer(named_params, config: JobConfig) -> torch.optim.Optimizer:
     return Muon(
         [{"params": matrices, "lr": o.lr, "weight_decay": o.weight_decay}] if matrices else [], by_kind(rest),
         momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, ns_dtype=o.ns_dtype, adjust_lr_fn=o.adjust_lr_fn,
-        adamw=adamw,
+        adamw=adamw, ns_distribution=o.ns_distribution,
     )
 
 

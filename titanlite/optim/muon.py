@@ -6,8 +6,8 @@ wide way round, normalized by its Frobenius norm), decoupled weight decay with t
 the lr adjusted to the matrix's shape ("original": sqrt(max(1, rows / cols)); "match_rms_adamw":
 0.2 sqrt(max(rows, cols))). Newton-Schulz runs in bf16 as torch's does, or in `ns_dtype`. A grouped
 expert weight (experts, rows, cols) is one matrix per expert. On any layout a sharded parameter's
-update is gathered whole, orthogonalized, and this rank keeps its own piece (DTensor's own slicing),
-so every layout computes the update of one process.
+update is gathered whole, orthogonalized, and this rank gets its own piece back (owners.py), so
+every layout computes the update of one process.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
+
+from titanlite.optim.owners import orthogonal_pieces
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic
 EPS = 1e-7
@@ -42,18 +44,6 @@ def lr_scale(adjust_lr_fn: str, rows: int, cols: int) -> float:
     return math.sqrt(max(1, rows / cols))
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def own_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full`, placed as `like` is (no communication: a replicated tensor sliced)."""
-    if not isinstance(like, DTensor):
-        return full
-    replicated = DTensor.from_local(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
-    return replicated.redistribute(like.device_mesh, like.placements).to_local()
-
-
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -63,40 +53,43 @@ class Muon(torch.optim.Optimizer):
     on those groups with this optimizer's state, so one state dict holds both)."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], *, momentum: float, nesterov: bool,
-                 ns_steps: int, ns_dtype: str, adjust_lr_fn: str, adamw: dict):
+                 ns_steps: int, ns_dtype: str, adjust_lr_fn: str, adamw: dict, ns_distribution: str = "owners"):
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw) if adamw_groups else None
         groups = [dict(g, muon=True) for g in muon_groups] + [dict(g, muon=False) for g in (self.adamw.param_groups if self.adamw else [])]
         defaults = dict(lr=adamw["lr"], weight_decay=adamw["weight_decay"], momentum=momentum, nesterov=nesterov,
-                        ns_steps=ns_steps, ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn)
+                        ns_steps=ns_steps, ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn, ns_distribution=ns_distribution)
         super().__init__(groups, defaults)
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            if group["muon"]:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._muon_update(p, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["muon"] and params:
+                self._muon_step(params, group)
         if self.adamw is not None:
             # The same group dicts and state, re-linked: load_state_dict replaces both objects.
             self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
             self.adamw.state = self.state
             self.adamw.step()
 
-    def _muon_update(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        grad, buf = local(p.grad), local(state["momentum_buffer"])
-        buf.lerp_(grad, 1 - group["momentum"])
-        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        if isinstance(p, DTensor):
-            update = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
-        full = whole(update)
-        matrices = full if full.ndim == 3 else full.unsqueeze(0)  # a grouped expert weight: one matrix per expert
-        ns = [orthogonalize(m, group["ns_steps"], DTYPES[group["ns_dtype"]]) for m in matrices]
-        orthogonal = torch.stack(ns).reshape(full.shape)
-        rows, cols = matrices.shape[-2:]
-        param = local(p)
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.add_(own_piece(orthogonal, p).to(param.dtype), alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], rows, cols))
+    def _muon_step(self, params: list[torch.Tensor], group: dict) -> None:
+        updates = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            grad, buf = local(p.grad), local(state["momentum_buffer"])
+            buf.lerp_(grad, 1 - group["momentum"])
+            updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+
+        def orthogonal(full: torch.Tensor) -> torch.Tensor:
+            matrices = full if full.ndim == 3 else full.unsqueeze(0)  # a grouped expert weight: one matrix per expert
+            ns = [orthogonalize(m, group["ns_steps"], DTYPES[group["ns_dtype"]]) for m in matrices]
+            return torch.stack(ns).reshape(full.shape)
+
+        pieces = orthogonal_pieces(params, updates, orthogonal, owners=group["ns_distribution"] == "owners")
+        for p, piece in zip(params, pieces):
+            rows, cols = p.shape[-2:]
+            param = local(p)
+            param.mul_(1 - group["lr"] * group["weight_decay"])
+            param.add_(piece.to(param.dtype), alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], rows, cols))
