@@ -178,23 +178,6 @@ CASES_MOE_4 = {
     "moe_pp2_ep2_zbv_ac_full": MOE_SIGMOID_AUX + PP + schedule("ZBVZeroBubble") + [EP, "2", "--activation_checkpoint.mode", "full"],
 }
 
-# Muon: each matrix's update on the whole matrix, gathered from its shards (Newton-Schulz in fp32
-# here: bf16 would round away the differences these cases look for).
-MUON = ["--optimizer.name", "Muon", "--optimizer.ns_dtype", "float32", "--optimizer.lr", "0.02"]
-CASES_MUON_2 = {
-    "muon_fsdp2": MUON,
-    "muon_tp2": MUON + [TP, "2", "--model.flavor", "debugmodel_gqa"],
-    "muon_pp2_1f1b": MUON + PP + schedule("1F1B"),
-    "muon_pp2_interleaved1f1b": MUON + PP + schedule("Interleaved1F1B"),
-    "muon_cp2": MUON + [CP, "2"],
-    "muon_moe_ep2": MUON + MOE + [EP, "2"],
-}
-CASES_MUON_4 = {
-    "muon_fsdp2_tp2": MUON + [TP, "2", "--model.flavor", "debugmodel_gqa"],
-    "muon_hsdp2x2": MUON + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
-    "muon_moe_ep2_fsdp2": MUON + MOE + [EP, "2"],
-}
-
 BC = ["--model.attn_mask_type", "block_causal"]
 BC_RESET = BC + ["--model.reset_position_ids"]
 # Document masks (block-causal attention) against each document alone, on every layout: the mask
@@ -314,5 +297,26 @@ CASES_L4_4 = {
     "l4_cp2_tp2": chunks(12) + [CP, "2", TP, "2"],
     "l4_hsdp2x2": chunks(12) + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
 }
+# Muon: each matrix's update on the whole matrix, gathered from its shards (Newton-Schulz in fp32
+# here: bf16 would round away the differences these cases look for).
+MUON = ["--optimizer.name", "Muon", "--optimizer.ns_dtype", "float32", "--optimizer.lr", "0.02"]
+CASES_MUON_2 = {
+    "muon_fsdp2": MUON,
+    "muon_tp2": MUON + [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "muon_pp2_1f1b": MUON + PP + schedule("1F1B"),
+    "muon_pp2_interleaved1f1b": MUON + PP + schedule("Interleaved1F1B"),
+    "muon_cp2": MUON + [CP, "2"],
+    "muon_moe_ep2": MUON + MOE + [EP, "2"],
+    # MLA's weights of several projections, each orthogonalized alone; MTP's modules; Llama 4's experts.
+    "muon_dsv3_fsdp2": MUON + DSV3,
+    "muon_dsv3_tp2": MUON + DSV3 + [TP, "2"],
+    "muon_l4_ep2": MUON + L4 + [EP, "2"],
+}
+CASES_MUON_4 = {
+    "muon_fsdp2_tp2": MUON + [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "muon_hsdp2x2": MUON + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    "muon_moe_ep2_fsdp2": MUON + MOE + [EP, "2"],
+}
+
 TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2 | CASES_L4_2 | CASES_MUON_2
 FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4 | CASES_L4_4 | CASES_MUON_4

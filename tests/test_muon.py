@@ -146,9 +146,9 @@ def spread_on_ranks() -> dict:
         matrices = full if full.ndim == 3 else full.unsqueeze(0)
         return torch.stack([orthogonalize(m, 5, torch.float32) for m in matrices]).reshape(full.shape)
 
-    spread = orthogonal_pieces(params, updates, orthogonal, owners=True)
+    spread = orthogonal_pieces(params, updates, [orthogonal] * len(params), owners=True)
     mine = list(calls)
-    everywhere = orthogonal_pieces(params, updates, orthogonal, owners=False)
+    everywhere = orthogonal_pieces(params, updates, [orthogonal] * len(params), owners=False)
     return {"equal": all(torch.equal(a, b) for a, b in zip(spread, everywhere)), "mine": mine, "shapes": shapes}
 
 
@@ -159,3 +159,29 @@ def test_owners_orthogonalize_each_matrix_once_and_send_back_every_rank_gatherin
     assert all(r["equal"] for r in results)
     owned = [r["mine"] for r in results]
     assert sorted(owned[0] + owned[1]) == sorted(map(tuple, results[0]["shapes"])) and owned[0] and owned[1], owned
+
+
+def test_a_weight_of_several_projections_is_orthogonalized_per_projection():
+    """MLA's wkv_b holds each head's key rows then value rows: Muon's update is torch.optim.Muon's on
+    the keys of all heads and on the values of all heads, as two matrices (each at its own shape's lr)."""
+    heads, nope, v, cols = 4, 6, 10, 24
+    gen = torch.Generator().manual_seed(2)
+    start = torch.randn(heads * (nope + v), cols, generator=gen)
+    fused = torch.nn.Parameter(start.clone())
+    per_head = start.reshape(heads, nope + v, cols)
+    keys = torch.nn.Parameter(per_head[:, :nope].reshape(-1, cols).clone())
+    values = torch.nn.Parameter(per_head[:, nope:].reshape(-1, cols).clone())
+    mine = muon([fused])
+    mine.components = {fused: (heads, [nope, v])}
+    theirs = torch.optim.Muon([keys, values], lr=0.02, weight_decay=0.1)
+    for _ in range(2):
+        grad = torch.randn(heads * (nope + v), cols, generator=gen).reshape(heads, nope + v, cols)
+        fused.grad = grad.reshape(-1, cols).clone()
+        keys.grad, values.grad = grad[:, :nope].reshape(-1, cols).clone(), grad[:, nope:].reshape(-1, cols).clone()
+        mine.step()
+        theirs.step()
+    got = fused.detach().reshape(heads, nope + v, cols)
+    # The lr scale multiplies the orthogonalized block before the lr, not the lr: a rounding apart.
+    torch.testing.assert_close(got[:, :nope].reshape(-1, cols), keys.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[:, nope:].reshape(-1, cols), values.detach(), rtol=0, atol=1e-6)
+    assert not torch.allclose(got.reshape(-1, cols), start)

@@ -155,7 +155,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     for converter in trainer.converters:  # float8: the same modules converted, by the trainer's own filters
         converter.convert(reference, trainer.plan)
     if o.name == "Muon":  # one process's Muon: tests/test_muon.py holds it to torch.optim.Muon, bit for bit
-        ref_opt = build_optimizer(reference.named_parameters(), config)
+        ref_opt = build_optimizer(reference.named_parameters(), config, trainer.plan.matrix_components(reference.args))
     else:
         ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
             reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True

@@ -159,7 +159,8 @@ class Trainer:
 
         # One optimizer and lr schedule per model part (pipeline stage): checkpoints key the optimizer
         # state by parameter name through the module that owns the parameters.
-        self.optimizers = [build_optimizer(part.named_parameters(), config) for part in self.model_parts]
+        components = self.plan.matrix_components(self.model_parts[0].args)
+        self.optimizers = [build_optimizer(part.named_parameters(), config, components) for part in self.model_parts]
         if config.optimizer.name == "Muon":
             check_adamw_params(config, self.model_parts, device)
         self.lr_schedulers = [build_lr_scheduler(opt, config) for opt in self.optimizers]

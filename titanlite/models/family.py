@@ -57,3 +57,7 @@ class ParallelPlan:
     # Blocks outside `blocks` (DeepSeek's MTP blocks, in the tail), as (parent module, attribute): activation
     # checkpointing and compile treat them as blocks.
     blocks_elsewhere: Callable = lambda model: []
+    # Weights that hold several projections row-wise (MLA's latent and rotary key in one), as a name
+    # suffix -> (groups, row sizes): rows are `groups` repeats of blocks of those sizes, and Muon
+    # orthogonalizes each block's rows across the groups as its own matrix (args -> that dict).
+    matrix_components: Callable = lambda args: {}

@@ -15,8 +15,9 @@ from titanlite.errors import ConfigError
 from titanlite.optim.muon import Muon
 
 
-def build_optimizer(named_params, config: JobConfig) -> torch.optim.Optimizer:
-    """`named_params`: (name, parameter) pairs, as a module's named_parameters() gives them."""
+def build_optimizer(named_params, config: JobConfig, components: dict | None = None) -> torch.optim.Optimizer:
+    """`named_params`: (name, parameter) pairs, as a module's named_parameters() gives them; `components`:
+    the family's matrix_components (a name suffix -> (groups, row sizes))."""
     o = config.optimizer
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
     named = list(named_params)
@@ -31,6 +32,7 @@ def build_optimizer(named_params, config: JobConfig) -> torch.optim.Optimizer:
         [{"params": matrices, "lr": o.lr, "weight_decay": o.weight_decay}] if matrices else [], by_kind(rest),
         momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, ns_dtype=o.ns_dtype, adjust_lr_fn=o.adjust_lr_fn,
         adamw=adamw, ns_distribution=o.ns_distribution,
+        components={p: parts for name, p in named for suffix, parts in (components or {}).items() if name.endswith(suffix)},
     )
 
 

@@ -5,7 +5,8 @@ running average (`lerp`), Nesterov, the quintic Newton-Schulz iteration on the w
 wide way round, normalized by its Frobenius norm), decoupled weight decay with the unadjusted lr,
 the lr adjusted to the matrix's shape ("original": sqrt(max(1, rows / cols)); "match_rms_adamw":
 0.2 sqrt(max(rows, cols))). Newton-Schulz runs in bf16 as torch's does, or in `ns_dtype`. A grouped
-expert weight (experts, rows, cols) is one matrix per expert. On any layout a sharded parameter's
+expert weight (experts, rows, cols) is one matrix per expert; a weight holding several projections
+(the family's matrix_components: MLA's) is one matrix per projection. On any layout a sharded parameter's
 update is gathered whole, orthogonalized, and this rank gets its own piece back (owners.py), so
 every layout computes the update of one process.
 """
@@ -53,12 +54,14 @@ class Muon(torch.optim.Optimizer):
     on those groups with this optimizer's state, so one state dict holds both)."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], *, momentum: float, nesterov: bool,
-                 ns_steps: int, ns_dtype: str, adjust_lr_fn: str, adamw: dict, ns_distribution: str = "owners"):
+                 ns_steps: int, ns_dtype: str, adjust_lr_fn: str, adamw: dict, ns_distribution: str = "owners",
+                 components: dict | None = None):
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw) if adamw_groups else None
         groups = [dict(g, muon=True) for g in muon_groups] + [dict(g, muon=False) for g in (self.adamw.param_groups if self.adamw else [])]
         defaults = dict(lr=adamw["lr"], weight_decay=adamw["weight_decay"], momentum=momentum, nesterov=nesterov,
                         ns_steps=ns_steps, ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn, ns_distribution=ns_distribution)
         super().__init__(groups, defaults)
+        self.components = components or {}  # parameter -> (groups, row sizes): matrix_components' projections
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -82,14 +85,25 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - group["momentum"])
             updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
 
-        def orthogonal(full: torch.Tensor) -> torch.Tensor:
-            matrices = full if full.ndim == 3 else full.unsqueeze(0)  # a grouped expert weight: one matrix per expert
-            ns = [orthogonalize(m, group["ns_steps"], DTYPES[group["ns_dtype"]]) for m in matrices]
-            return torch.stack(ns).reshape(full.shape)
+        def ns(matrix: torch.Tensor) -> torch.Tensor:
+            return orthogonalize(matrix, group["ns_steps"], DTYPES[group["ns_dtype"]])
 
-        pieces = orthogonal_pieces(params, updates, orthogonal, owners=group["ns_distribution"] == "owners")
-        for p, piece in zip(params, pieces):
+        def orthogonal(full: torch.Tensor, components) -> torch.Tensor:
+            if components:  # each projection's rows alone, at its own shape's lr (folded in here)
+                groups, sizes = components
+                blocks = full.reshape(groups, sum(sizes), full.shape[-1]).split(sizes, dim=1)
+                scaled = [ns(b.reshape(-1, b.shape[-1])).to(full.dtype) * lr_scale(group["adjust_lr_fn"], groups * b.shape[1], b.shape[-1])
+                          for b in blocks]
+                return torch.cat([m.reshape(groups, -1, full.shape[-1]) for m in scaled], dim=1).reshape(full.shape)
+            matrices = full if full.ndim == 3 else full.unsqueeze(0)  # a grouped expert weight: one matrix per expert
+            return torch.stack([ns(m) for m in matrices]).reshape(full.shape)
+
+        components = [self.components.get(p) for p in params]
+        functions = [lambda full, c=c: orthogonal(full, c) for c in components]
+        pieces = orthogonal_pieces(params, updates, functions, owners=group["ns_distribution"] == "owners")
+        for p, piece, parts in zip(params, pieces, components):
             rows, cols = p.shape[-2:]
             param = local(p)
             param.mul_(1 - group["lr"] * group["weight_decay"])
-            param.add_(piece.to(param.dtype), alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], rows, cols))
+            scale = 1.0 if parts else lr_scale(group["adjust_lr_fn"], rows, cols)
+            param.add_(piece.to(param.dtype), alpha=-group["lr"] * scale)

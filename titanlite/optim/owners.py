@@ -52,10 +52,11 @@ def padded(piece: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([piece, piece.new_zeros(shape)], dim=dim).contiguous() if shape[dim] else piece.contiguous()
 
 
-def orthogonal_pieces(params: list[torch.Tensor], updates: list[torch.Tensor], orthogonal: Callable,
+def orthogonal_pieces(params: list[torch.Tensor], updates: list[torch.Tensor], orthogonals: list[Callable],
                       owners: bool) -> list[torch.Tensor]:
-    """This rank's piece of each parameter's orthogonalized update (`orthogonal` maps a whole update to
-    its orthogonalized whole). Collective: every rank of each parameter's mesh calls it alike."""
+    """This rank's piece of each parameter's orthogonalized update (`orthogonals[i]` maps parameter i's
+    whole update to its orthogonalized whole). Collective: every rank of each parameter's mesh calls
+    it alike."""
     results: list[torch.Tensor | None] = [None] * len(params)
     load = defaultdict(float)  # the work dealt to each rank of each shard group so far
     gathered = []
@@ -63,7 +64,7 @@ def orthogonal_pieces(params: list[torch.Tensor], updates: list[torch.Tensor], o
     for i in order:
         p, mesh_dim = params[i], shard_dim(params[i]) if owners else None
         if mesh_dim is None:
-            results[i] = every_rank(p, updates[i], orthogonal)
+            results[i] = every_rank(p, updates[i], orthogonals[i])
             continue
         mesh, dim = p.device_mesh, p.placements[mesh_dim].dim
         group, ranks, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
@@ -81,7 +82,7 @@ def orthogonal_pieces(params: list[torch.Tensor], updates: list[torch.Tensor], o
         sends = None
         if me == owner:
             whole = torch.cat([b.narrow(dim, 0, n) for b, n in zip(pieces, sizes)], dim=dim)
-            result = orthogonal(whole).to(piece.dtype)
+            result = orthogonals[i](whole).to(piece.dtype)
             starts = [sum(sizes[:r]) for r in range(len(sizes))]
             sends = [padded(result.narrow(dim, s, n), dim, sizes[0]) for s, n in zip(starts, sizes)]
         scattered.append((i, dim, sizes[me], out, dist.scatter(out, sends, group=group, group_src=owner, async_op=True)))

@@ -81,4 +81,10 @@ PLAN = ParallelPlan(
     float8_excluded=moe_plan.PLAN.float8_excluded,  # the router (DeepSeek-V3 trained the rest of its GEMMs in float8)
     tail_on_one_stage=True,
     blocks_elsewhere=lambda model: [(module, "block") for module in (model.mtp or {}).values()],
+    matrix_components=lambda a: {
+        "attention.wkv_a.weight": (1, [a.kv_lora_rank, a.qk_rope_head_dim]),  # the latent, the shared rotary key
+        "attention.wkv_b.weight": (a.n_heads, [a.qk_nope_head_dim, a.v_head_dim]),  # each head's keys, values
+        "attention.wq.weight": (a.n_heads, [a.qk_nope_head_dim, a.qk_rope_head_dim]),  # each head's plain, rotary query
+        "attention.wq_b.weight": (a.n_heads, [a.qk_nope_head_dim, a.qk_rope_head_dim]),
+    },
 )
