@@ -185,3 +185,17 @@ def test_a_weight_of_several_projections_is_orthogonalized_per_projection():
     torch.testing.assert_close(got[:, :nope].reshape(-1, cols), keys.detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(got[:, nope:].reshape(-1, cols), values.detach(), rtol=0, atol=1e-6)
     assert not torch.allclose(got.reshape(-1, cols), start)
+
+
+def test_the_planner_counts_one_momentum_for_muons_matrices():
+    """Llama 3 8B, FSDP 8: AdamW's states are 16 bytes per parameter; Muon's 12 for all but the
+    embedding and output (AdamW's beside it, 16): a direct count."""
+    from titanlite.hardware import find_gpu
+    from titanlite.models.llama3.args import LLAMA3_FLAVORS
+    from titanlite.planner import Layout, estimate
+
+    model, gpu = LLAMA3_FLAVORS["8B"], find_gpu("H100")
+    states = {muon: estimate(model, 8192, 16, gpu, Layout(dp_shard=8, ac="op", muon=muon)).memory["states"] for muon in (False, True)}
+    params, embeddings = model.num_params(), 2 * model.vocab_size * model.dim
+    assert states[False] == pytest.approx(16 * params / 8)
+    assert states[True] == pytest.approx((12 * (params - embeddings) + 16 * embeddings) / 8)
