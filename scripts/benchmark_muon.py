@@ -5,8 +5,9 @@
 
 `step` builds the real Trainer on N gloo ranks (FSDP over all of them) for a model of dim 512 and 8
 blocks and times optimizer.step() on fixed gradients (median of 10, after 2 warm-ups). `loss` trains
-each model with each optimizer at 3 learning rates through the CLI, keeps each optimizer's best by
-its last validation loss, and plots validation loss against steps and against wall time.
+each model with each optimizer at 3 learning rates through the CLI (the debug configs at seq_len
+128, 1 process), keeps each optimizer's best by its last validation loss, and plots validation loss
+against steps and against wall time (docs/img/muon_vs_adamw.png).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def train(name: str, model: list[str], optimizer: str, lr: str, steps: int) -> l
            "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *model, *extra,
            "--training.steps", str(steps), "--validation.enable", "--validation.freq", str(steps // 6),
            "--metrics.log_freq", "10", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(folder),
+           "--training.seq_len", "128", "--validation.seq_len", "128", "--validation.steps", "8",
            "--debug.seed", "0", "--lr_scheduler.warmup_steps", str(steps // 15)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if done.returncode:
