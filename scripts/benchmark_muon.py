@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "outputs" / "benchmark_muon"
-SHAPE = ["--model.flavor_overrides", "dim=512,n_layers=8,n_heads=8,n_kv_heads=8", "--training.seq_len", "128",
+SHAPE = ["--model.flavor_overrides", "dim=512,n_heads=8,n_kv_heads=8", "--model.n_layers", "8", "--training.seq_len", "128",
          "--training.local_batch_size", "2"]
 OPTIMIZERS = {
     "AdamW": ["--optimizer.name", "AdamW"],
