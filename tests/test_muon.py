@@ -25,17 +25,22 @@ def muon(params, **change):
 
 
 @pytest.mark.parametrize("shape", [(64, 32), (32, 64), (48, 48), (7, 130)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("adjust_lr_fn, nesterov", [("original", True), ("match_rms_adamw", True), ("original", False)])
-def test_each_matrix_takes_torch_muons_update_bit_for_bit(shape, adjust_lr_fn, nesterov):
+@pytest.mark.parametrize("adjust_lr_fn, nesterov, dtype", [
+    ("original", True, torch.float32), ("match_rms_adamw", True, torch.float32), ("original", False, torch.float32),
+    # bf16 weights too, Nesterov on (off, torch's bf16 copy of the buffer is the buffer, which its
+    # Newton-Schulz then normalizes in place: titanlite leaves the momentum alone).
+    ("original", True, torch.bfloat16),
+], ids=["original", "match_rms_adamw", "no_nesterov", "bf16"])
+def test_each_matrix_takes_torch_muons_update_bit_for_bit(shape, adjust_lr_fn, nesterov, dtype):
     """Wide, tall and square matrices, both lr adjustments, with and without Nesterov: 3 steps of
     titanlite's Muon and torch.optim.Muon from the same weights and gradients give the same bits."""
     gen = torch.Generator().manual_seed(0)
-    start = torch.randn(shape, generator=gen)
+    start = torch.randn(shape, generator=gen).to(dtype)
     ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
     mine = muon([ours], adjust_lr_fn=adjust_lr_fn, nesterov=nesterov)
     torch_muon = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
     for _ in range(3):
-        grad = torch.randn(shape, generator=gen)
+        grad = torch.randn(shape, generator=gen).to(dtype)
         ours.grad, theirs.grad = grad.clone(), grad.clone()
         mine.step()
         torch_muon.step()
@@ -89,6 +94,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 
 
 @pytest.mark.parametrize("flag, value, words", [
+    ("--training.enable_cpu_offload", "true", "optimizer.name='Muon' with training.enable_cpu_offload=true"),
+    ("--optimizer.adamw_lr", "-1", "optimizer.adamw_lr=-1.0 must be >= 0"),
     ("--optimizer.momentum", "-0.9", "optimizer.momentum=-0.9 must be >= 0"),
     ("--optimizer.ns_steps", "0", "optimizer.ns_steps=0 must be between 1 and 99"),
     ("--optimizer.ns_steps", "100", "optimizer.ns_steps=100 must be between 1 and 99"),
@@ -123,6 +130,8 @@ def test_muon_resumes_bit_for_bit_and_a_changed_optimizer_is_one_line(corpus_jso
     changed = train(tmp_path / "adamw", 4, *muon_args)
     assert changed.returncode != 0 and "exitcode  : 2" in changed.stderr, changed.stderr[-2000:]  # the rank's exit 2
     assert "holds the optimizer state of AdamW or Adam, but optimizer.name='Muon' keeps 'momentum_buffer'" in changed.stderr
+    back = train(tmp_path / "straight", 6)  # Muon's checkpoint of step 4 read by AdamW
+    assert "holds the optimizer state of AdamW or Adam and Muon, but optimizer.name='AdamW' keeps" in back.stderr, back.stderr[-2000:]
 
 
 def spread_on_ranks() -> dict:

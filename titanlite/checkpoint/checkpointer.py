@@ -456,7 +456,7 @@ class Checkpointer:
 
 
 # The state each optimizer keeps per parameter: a checkpoint of one read by the other names the change.
-OPTIMIZER_STATES = {"momentum_buffer": "Muon", "exp_avg": "AdamW or Adam"}
+OPTIMIZER_STATES = {"momentum_buffer": "Muon", "step": "AdamW or Adam", "exp_avg": "AdamW or Adam", "exp_avg_sq": "AdamW or Adam"}
 
 
 def optimizer_change(path: Path, missing: str, metadata, name: str) -> str | None:

@@ -160,6 +160,14 @@ def validate(config: JobConfig) -> None:
     o = config.optimizer
     _require(o.momentum >= 0, f"optimizer.momentum={o.momentum} must be >= 0")
     _require(1 <= o.ns_steps < 100, f"optimizer.ns_steps={o.ns_steps} must be between 1 and 99")
+    for name in ("adamw_lr", "adamw_weight_decay"):
+        value = getattr(o, name)
+        _require(value is None or value >= 0, f"optimizer.{name}={value} must be >= 0")
+    _require(
+        not (o.name == "Muon" and t.enable_cpu_offload),
+        "optimizer.name='Muon' with training.enable_cpu_offload=true: Muon gathers each matrix over the process group, "
+        "which cannot reach offloaded (host) shards; use AdamW with offload, or turn offload off",
+    )
     for key, settings in (("training", t), ("validation", v)):
         _require(
             not (settings.dataset_mixture and settings.dataset_path),

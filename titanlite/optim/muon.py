@@ -65,6 +65,10 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if group["muon"] and params:
@@ -74,6 +78,7 @@ class Muon(torch.optim.Optimizer):
             self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
             self.adamw.state = self.state
             self.adamw.step()
+        return loss
 
     def _muon_step(self, params: list[torch.Tensor], group: dict) -> None:
         updates = []
@@ -95,8 +100,9 @@ class Muon(torch.optim.Optimizer):
                 scaled = [ns(b.reshape(-1, b.shape[-1])).to(full.dtype) * lr_scale(group["adjust_lr_fn"], groups * b.shape[1], b.shape[-1])
                           for b in blocks]
                 return torch.cat([m.reshape(groups, -1, full.shape[-1]) for m in scaled], dim=1).reshape(full.shape)
-            matrices = full if full.ndim == 3 else full.unsqueeze(0)  # a grouped expert weight: one matrix per expert
-            return torch.stack([ns(m) for m in matrices]).reshape(full.shape)
+            if full.ndim == 2:
+                return ns(full)  # as it comes out (a tall matrix's a transposed view, as torch's)
+            return torch.stack([ns(m) for m in full])  # a grouped expert weight: one matrix per expert
 
         components = [self.components.get(p) for p in params]
         functions = [lambda full, c=c: orthogonal(full, c) for c in components]

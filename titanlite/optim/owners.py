@@ -1,6 +1,6 @@
 """Where Muon's Newton-Schulz runs: each sharded matrix gathered whole on one owner rank of its
 shard group, orthogonalized there, its pieces sent back (as Dion's distributed Muon and Essential
-AI's layer sharding do), owners dealt round-robin by cost. The whole step then costs one gather and
+AI's layer sharding do); each matrix, largest first, goes to the rank with the least work so far. The whole step then costs one gather and
 one scatter of each matrix, and each rank orthogonalizes 1/W of them.
 
 This layout-specific part is the only one: a parameter sharded along one mesh dim (FSDP's, TP's,
