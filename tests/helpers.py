@@ -93,7 +93,8 @@ def run_command(cmd: list[str], timeout: float = 300, **kwargs):
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = None, bos_id: int | None = None):
+def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = None, bos_id: int | None = None,
+                       eos_id: int | None = None):
     """(objective, the model's own loss), both summed over tokens, of a model with DeepSeek-V3's
     multi-token prediction, by DeepSeek's formula: depth k reads the token k ahead of each position
     and predicts the one after, from the hidden state the previous head read (after the model's final
@@ -101,7 +102,8 @@ def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = N
     positions whose target lies in the window; objective = own + weight/D sum_k depth k's. The last
     k positions still run (reading token 0: causal attention keeps them from the others' outputs)
     because titanlite runs them: their tokens count in the MTP block's MoE balance. With `bos_id`
-    (document masks) a depth's target in another document than its position does not count."""
+    (document masks; a document starts at each BOS and after each EOS) a depth's target in another
+    document than its position does not count."""
     import torch
 
     from titanlite.loss import cross_entropy_sum
@@ -122,8 +124,11 @@ def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = N
         ahead = torch.cat([tokens[:, k : s + 1], torch.zeros_like(tokens[:, : k - 1])], dim=1)
         h = module.norm(module(h, model.tok_embeddings(ahead), rope, mask))
         targets = tokens[:, k + 1 : s + 1]
-        if bos_id is not None:  # documents numbered by the BOS tokens seen so far
-            documents = (tokens == bos_id).cumsum(dim=1)
+        if bos_id is not None:  # documents numbered by the starts seen so far
+            starts = tokens == bos_id
+            if eos_id is not None:
+                starts[:, 1:] |= tokens[:, :-1] == eos_id
+            documents = starts.cumsum(dim=1)
             targets = targets.masked_fill(documents[:, k + 1 : s + 1] != documents[:, : s - k], -100)
         logits = model.output(h)[:, : s - k]
         depths.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))

@@ -93,19 +93,21 @@ def separate_projection_calls(model_parts: list[torch.nn.Module]) -> Counter:
     return calls
 
 
-def documents_by_hand(window: torch.Tensor, bos_id: int) -> list[tuple[int, int]]:
-    """(start, end) of each document of a packed window: one starts at each BOS, and at 0 (the tail of an
+def documents_by_hand(window: torch.Tensor, bos_id: int, eos_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each document of a packed window: one starts at each BOS, after each EOS (token
+    files end documents with EOS alone; the random test tokens hold some), and at 0 (the tail of an
     earlier one). Plain Python, not titanlite's document_layout, so that a bug there cannot cancel out
     between the trainer and the reference."""
-    starts = [0] + [i for i, token in enumerate(window.tolist()) if token == bos_id and i > 0]
+    tokens = window.tolist()
+    starts = [0] + [i for i in range(1, len(tokens)) if tokens[i] == bos_id or tokens[i - 1] == eos_id]
     return list(zip(starts, starts[1:] + [len(window)]))
 
 
-def token_inputs_by_hand(x: torch.Tensor, bos_id: int, reset_positions: bool) -> dict[str, torch.Tensor]:
+def token_inputs_by_hand(x: torch.Tensor, bos_id: int, eos_id: int, reset_positions: bool) -> dict[str, torch.Tensor]:
     """Each token's document number and position (from its document's start with `reset_positions`)."""
     document_ids, positions = torch.zeros_like(x), torch.zeros_like(x)
     for row, window in enumerate(x):
-        for number, (start, end) in enumerate(documents_by_hand(window, bos_id)):
+        for number, (start, end) in enumerate(documents_by_hand(window, bos_id, eos_id)):
             document_ids[row, start:end] = number
             positions[row, start:end] = torch.arange(end - start) + (0 if reset_positions else start)
     return {"positions": positions, "document_ids": document_ids}
@@ -182,19 +184,19 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         float8 scales by the batch, the aux loss by the window, multi-token prediction across
         documents), with the documents found by hand. They differ only with multi-token prediction,
         whose objective follows DeepSeek's formula (helpers.py)."""
-        bos_id = trainer.tokenizer.bos_id
+        bos_id, eos_id = trainer.tokenizer.bos_id, trainer.tokenizer.eos_id
         if trainer.mtp_depth:
-            token_inputs = token_inputs_by_hand(x, bos_id, config.model.reset_position_ids) if trainer.document_masking else None
-            bos = bos_id if trainer.document_masking else None
-            return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs, bos)
+            token_inputs = token_inputs_by_hand(x, bos_id, eos_id, config.model.reset_position_ids) if trainer.document_masking else None
+            bos, eos = (bos_id, eos_id) if trainer.document_masking else (None, None)
+            return mtp_reference_loss(reference, x, y, trainer.mtp_loss_weight, token_inputs, bos, eos)
         if not trainer.document_masking:
             own = cross_entropy_sum(reference(x), y)
         elif trainer.converters or trainer.aux_loss_on:
-            own = cross_entropy_sum(reference(x, **token_inputs_by_hand(x, bos_id, config.model.reset_position_ids)), y)
+            own = cross_entropy_sum(reference(x, **token_inputs_by_hand(x, bos_id, eos_id, config.model.reset_position_ids)), y)
         else:
             own = torch.zeros(())
             for row, window in enumerate(x):
-                for start, end in documents_by_hand(window, bos_id):
+                for start, end in documents_by_hand(window, bos_id, eos_id):
                     own = own + cross_entropy_sum(reference(window[start:end][None]), y[row, start:end][None])
         return own, own
 
