@@ -148,10 +148,10 @@ def build_dataloader(
     t = config.training
     settings = t if split == "train" else config.validation
     loader = settings.dataloader
-    parts = token_parts(config, split)
+    source = None if settings.dataset_mixture else split_source(config, split)  # resolved once (the hub: a connection)
+    parts = token_parts(config, split, source)
     if parts is not None:
         return token_loader(config, tokenizer, parts, dp_rank, dp_degree, split, part)
-    source = split_source(config, split)
     documents = open_source(source, split)
     if t.data_split == "documents":
         documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_degree)

@@ -170,13 +170,14 @@ def resolve_source(name: str, path: str | None, section: str = "training") -> So
     return Source("hub", name)
 
 
-def token_parts(config: JobConfig, split: str) -> list[tuple[Part, Source]] | None:
+def token_parts(config: JobConfig, split: str, source: Source | None = None) -> list[tuple[Part, Source]] | None:
     """The weighted token-file sources of the split (dataset_mixture's parts, or its one dataset at
-    weight 1), or None where the split reads text (tokenized as it streams)."""
+    weight 1), or None where the split reads text (tokenized as it streams). `source`: the split's
+    dataset, where the caller has resolved it already."""
     settings = config.training if split == "train" else config.validation
     key = f"{'training' if split == 'train' else 'validation'}.dataset_mixture"
     if not settings.dataset_mixture:
-        source = split_source(config, split)
+        source = source or split_source(config, split)
         return [(Part(source_name(source.name), Fraction(1), source.name), source)] if source.kind in TOKEN_KINDS else None
     parts = []
     for part in parse_mixture(settings.dataset_mixture, key):

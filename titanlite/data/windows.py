@@ -22,9 +22,6 @@ from titanlite.data.formats import TokenStream
 from titanlite.data.mixture import Schedule
 from titanlite.errors import ConfigError
 
-MASK64 = (1 << 64) - 1
-
-
 class Permutation:
     """A seeded bijection of range(size) without a table: a 4-round Feistel network on the smallest
     even number of bits that covers `size`, cycle-walking values that land past it. Memory does not

@@ -22,7 +22,6 @@ from titanlite.optim.owners import orthogonal_pieces
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic
 EPS = 1e-7
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +90,7 @@ class Muon(torch.optim.Optimizer):
             updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
 
         def ns(matrix: torch.Tensor) -> torch.Tensor:
-            return orthogonalize(matrix, group["ns_steps"], DTYPES[group["ns_dtype"]])
+            return orthogonalize(matrix, group["ns_steps"], getattr(torch, group["ns_dtype"]))  # bfloat16 or float32
 
         def orthogonal(full: torch.Tensor, components) -> torch.Tensor:
             if components:  # each projection's rows alone, at its own shape's lr (folded in here)
