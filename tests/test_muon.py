@@ -134,20 +134,47 @@ def test_muon_resumes_bit_for_bit_and_a_changed_optimizer_is_one_line(corpus_jso
     assert "holds the optimizer state of AdamW or Adam and Muon, but optimizer.name='AdamW' keeps" in back.stderr, back.stderr[-2000:]
 
 
+# Layouts on a (1, 2, 2) mesh: each parameter's placements, and the (mesh dim, tensor dim) cuts they
+# make of the whole in the order they make them (FSDP's strided shard over TP or EP cuts last; a mesh
+# dim of one rank cuts nothing). Uneven sizes and an empty piece too.
+def spread_layouts():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    fsdp_over_tp = [Replicate(), _StridedShard(0, split_factor=2), Shard(0)]
+    return [
+        ((64, 32), [Replicate(), Shard(0), Replicate()], [(1, 0)]),  # FSDP
+        ((16, 96), [Replicate(), Replicate(), Shard(1)], [(2, 1)]),  # TP rowwise
+        ((33, 40), [Shard(1), Shard(0), Shard(1)], [(1, 0), (2, 1)]),  # FSDP x TP rowwise, a dim of one rank
+        ((48, 48), fsdp_over_tp, [(2, 0), (1, 0)]),  # FSDP x TP colwise
+        ((33, 40), fsdp_over_tp, [(2, 0), (1, 0)]),
+        ((3, 20, 24), fsdp_over_tp, [(2, 0), (1, 0)]),  # EP x FSDP: 3 experts, one rank's piece empty
+    ]
+
+
+def cut(whole: torch.Tensor, cuts, coordinate) -> torch.Tensor:
+    """This coordinate's piece: torch.chunk along each cut in turn (chunk's pieces, an empty one at the end)."""
+    from titanlite.optim.owners import piece_sizes
+
+    for mesh_dim, dim in cuts:
+        sizes = piece_sizes(whole.shape[dim], [1, 2, 2][mesh_dim])
+        whole = whole.narrow(dim, sum(sizes[:coordinate[mesh_dim]]), sizes[coordinate[mesh_dim]])
+    return whole
+
+
 def spread_on_ranks() -> dict:
-    """On 2 gloo ranks: FSDP-like Shard(0) matrices (uneven ones too) orthogonalized by their owners
-    against every rank gathering every matrix: the same pieces, each matrix orthogonalized once."""
+    """On 4 gloo ranks: matrices cut along one or two mesh dims, orthogonalized by their owners, against
+    the whole orthogonalized in one process and cut, and against every rank gathering every matrix."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from titanlite.optim.muon import orthogonalize
     from titanlite.optim.owners import orthogonal_pieces
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("one", "a", "b"))
+    me = mesh.get_coordinate()
     gen = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (33, 40), (16, 96), (3, 20, 24), (48, 48), (5, 7)]
-    params = [distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)]) for s in shapes]
-    updates = [p.to_local().clone() for p in params]
+    wholes, params, updates, expected = [], [], [], []
     calls = []
 
     def orthogonal(full):
@@ -155,19 +182,30 @@ def spread_on_ranks() -> dict:
         matrices = full if full.ndim == 3 else full.unsqueeze(0)
         return torch.stack([orthogonalize(m, 5, torch.float32) for m in matrices]).reshape(full.shape)
 
-    spread = orthogonal_pieces(params, updates, [orthogonal] * len(params), owners=True)
+    for shape, placements, cuts in spread_layouts():
+        whole = torch.randn(shape, generator=gen)
+        p = DTensor.from_local(cut(whole, cuts, me), mesh, placements, shape=whole.shape, stride=whole.stride(), run_check=False)
+        assert torch.equal(p.full_tensor(), whole), (shape, placements)  # the cuts are DTensor's own
+        params.append(p)
+        updates.append(p.to_local().clone())
+        expected.append(cut(orthogonal(whole), cuts, me))
+    calls.clear()
+    spread = orthogonal_pieces(params, updates, [orthogonal] * len(params), owners=True, ns_dtype=torch.float32)
     mine = list(calls)
-    everywhere = orthogonal_pieces(params, updates, [orthogonal] * len(params), owners=False)
-    return {"equal": all(torch.equal(a, b) for a, b in zip(spread, everywhere)), "mine": mine, "shapes": shapes}
+    everywhere = orthogonal_pieces(params, updates, [orthogonal] * len(params), owners=False, ns_dtype=torch.float32)
+    return {"owners": [torch.equal(a, b) for a, b in zip(spread, expected)],
+            "every_rank": [torch.equal(a, b) for a, b in zip(everywhere, expected)], "mine": mine}
 
 
 def test_owners_orthogonalize_each_matrix_once_and_send_back_every_rank_gathering_its_pieces():
     from distributed import run_distributed
 
-    results = run_distributed(spread_on_ranks, 2)
-    assert all(r["equal"] for r in results)
+    results = run_distributed(spread_on_ranks, 4)
+    assert all(all(r["owners"]) and all(r["every_rank"]) for r in results), results
     owned = [r["mine"] for r in results]
-    assert sorted(owned[0] + owned[1]) == sorted(map(tuple, results[0]["shapes"])) and owned[0] and owned[1], owned
+    # Once per group of ranks that share the matrix (a matrix cut along one mesh dim: once in each of 2)
+    shapes = [shape for shape, _, cuts in spread_layouts() for _ in range(4 // 2 ** len(cuts))]
+    assert sorted(sum(owned, [])) == sorted(shapes) and all(owned), owned
 
 
 def test_a_weight_of_several_projections_is_orthogonalized_per_projection():

@@ -89,14 +89,16 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - group["momentum"])
             updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
 
-        def ns(matrix: torch.Tensor) -> torch.Tensor:
-            return orthogonalize(matrix, group["ns_steps"], getattr(torch, group["ns_dtype"]))  # bfloat16 or float32
+        ns_dtype = getattr(torch, group["ns_dtype"])  # bfloat16 or float32
 
-        def orthogonal(full: torch.Tensor, components) -> torch.Tensor:
-            if components:  # each projection's rows alone, at its own shape's lr (folded in here)
+        def ns(matrix: torch.Tensor) -> torch.Tensor:
+            return orthogonalize(matrix, group["ns_steps"], ns_dtype)
+
+        def orthogonal(full: torch.Tensor, components, dtype: torch.dtype) -> torch.Tensor:
+            if components:  # each projection's rows alone, at its own shape's lr (folded in here, in the update's dtype)
                 groups, sizes = components
                 blocks = full.reshape(groups, sum(sizes), full.shape[-1]).split(sizes, dim=1)
-                scaled = [ns(b.reshape(-1, b.shape[-1])).to(full.dtype) * lr_scale(group["adjust_lr_fn"], groups * b.shape[1], b.shape[-1])
+                scaled = [ns(b.reshape(-1, b.shape[-1])).to(dtype) * lr_scale(group["adjust_lr_fn"], groups * b.shape[1], b.shape[-1])
                           for b in blocks]
                 return torch.cat([m.reshape(groups, -1, full.shape[-1]) for m in scaled], dim=1).reshape(full.shape)
             if full.ndim == 2:
@@ -104,8 +106,8 @@ class Muon(torch.optim.Optimizer):
             return torch.stack([ns(m) for m in full])  # a grouped expert weight: one matrix per expert
 
         components = [self.components.get(p) for p in params]
-        functions = [lambda full, c=c: orthogonal(full, c) for c in components]
-        pieces = orthogonal_pieces(params, updates, functions, owners=group["ns_distribution"] == "owners")
+        functions = [lambda full, c=c, u=u: orthogonal(full, c, u.dtype) for c, u in zip(components, updates)]
+        pieces = orthogonal_pieces(params, updates, functions, owners=group["ns_distribution"] == "owners", ns_dtype=ns_dtype)
         for p, piece, parts in zip(params, pieces, components):
             rows, cols = p.shape[-2:]
             param = local(p)
