@@ -300,20 +300,23 @@ CASES_L4_4 = {
 # Muon: each matrix's update on the whole matrix, gathered from its shards (Newton-Schulz in fp32
 # here: bf16 would round away the differences these cases look for).
 MUON = ["--optimizer.name", "Muon", "--optimizer.ns_dtype", "float32", "--optimizer.lr", "0.02"]
+# QK-clip where some heads' largest logits pass the threshold from the first step and some not (the
+# debug models' are 0.3 to 0.5 at the start; DeepSeek-V3's 0.15 to 0.22): each rank clips its own heads.
+QK_CLIP = ["--optimizer.qk_clip_threshold", "0.4"]
 CASES_MUON_2 = {
     "muon_fsdp2": MUON,
     "muon_tp2": MUON + [TP, "2", "--model.flavor", "debugmodel_gqa"],
-    "muon_pp2_1f1b": MUON + PP + schedule("1F1B"),
+    "muon_pp2_1f1b": MUON + PP + schedule("1F1B") + QK_CLIP,
     "muon_pp2_interleaved1f1b": MUON + PP + schedule("Interleaved1F1B"),
     "muon_cp2": MUON + [CP, "2"],
     "muon_moe_ep2": MUON + MOE + [EP, "2"],
     # MLA's weights of several projections, each orthogonalized alone; MTP's modules; Llama 4's experts.
     "muon_dsv3_fsdp2": MUON + DSV3,
-    "muon_dsv3_tp2": MUON + DSV3 + [TP, "2"],
+    "muon_dsv3_tp2": MUON + DSV3 + [TP, "2", "--optimizer.qk_clip_threshold", "0.18"],
     "muon_l4_ep2": MUON + L4 + [EP, "2"],
 }
 CASES_MUON_4 = {
-    "muon_fsdp2_tp2": MUON + [TP, "2", "--model.flavor", "debugmodel_gqa"],
+    "muon_fsdp2_tp2": MUON + [TP, "2", "--model.flavor", "debugmodel_gqa"] + QK_CLIP,
     "muon_hsdp2x2": MUON + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
     "muon_moe_ep2_fsdp2": MUON + MOE + [EP, "2"],
 }

@@ -135,6 +135,7 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     from titanlite.models.common.fqn import canonical_fqn
     from titanlite.models.common.moe import global_balance, set_batch, update_expert_bias
     from titanlite.optim.build import build_optimizer
+    from titanlite.optim.qk_clip import QKClip
     from titanlite.optim.schedule import lr_factor
     from titanlite.parallel.parallelize import assign_full_value
     from titanlite.trainer import Trainer
@@ -158,6 +159,8 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
         converter.convert(reference, trainer.plan)
     if o.name == "Muon":  # one process's Muon: tests/test_muon.py holds it to torch.optim.Muon, bit for bit
         ref_opt = build_optimizer(reference.named_parameters(), config, trainer.plan.matrix_components(reference.args))
+        if o.qk_clip_threshold:  # one process's QK-clip: tests/test_qk_clip.py holds it to the logits by hand
+            ref_opt.qk_clip = QKClip(reference, trainer.plan.qk_clip_rows(reference.args), o.qk_clip_threshold)
     else:
         ref_opt = torch.optim.AdamW(  # the trainer's kernel too: fused and foreach round differently
             reference.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
@@ -257,6 +260,9 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             record("param", max_abs(local(p.detach()) - local_slice(ref.detach(), p)).item(), f"{name} after step {step}")
             if not free_running:
                 assign_full_value(p, ref.detach())  # the next step starts from identical weights
+
+    if o.qk_clip_threshold:  # some heads were clipped (the weights above say the layout clipped the same)
+        assert ref_opt.qk_clip.clipped, "QK-clip clipped nothing: lower the case's threshold"
 
     # Validation: the trainer's loss over the first VALIDATION_STEPS global batches of the held-out
     # stream ("sequences" split: rank r reads rows r*B.. of each) against the reference's.

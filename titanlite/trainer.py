@@ -36,6 +36,7 @@ from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
 from titanlite.optim.build import build_optimizer, check_adamw_params
 from titanlite.optim.clip import clip_grad_norm_, reduce_partial_grads
+from titanlite.optim.qk_clip import qk_clip
 from titanlite.optim.schedule import build_lr_scheduler
 from titanlite.parallel.activation_checkpoint import check_replays_done, replays
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
@@ -163,6 +164,8 @@ class Trainer:
         self.optimizers = [build_optimizer(part.named_parameters(), config, components) for part in self.model_parts]
         if config.optimizer.name == "Muon":
             check_adamw_params(config, self.model_parts, device)
+            for opt, part in zip(self.optimizers, self.model_parts):
+                opt.qk_clip = qk_clip(config, part, self.plan, self.dims)
         self.lr_schedulers = [build_lr_scheduler(opt, config) for opt in self.optimizers]
 
         batch_mesh = self.dims.get_mesh("batch")

@@ -155,6 +155,10 @@ class Optimizer:
         "its pieces sent back) or every_rank (each rank gathers every matrix: Moonlight's Algorithm 1)",
         choices=("owners", "every_rank"), extension=True,
     )
+    qk_clip_threshold: float = opt(
+        0.0, "with Muon: MuonClip's QK-clip (Kimi K2): after each step, the query/key weights of every attention head whose "
+        "largest logit passed this are scaled back to it; 0 = off (Kimi K2: 100)", extension=True,
+    )
     adamw_params: list[str] = opt(
         ["tok_embeddings", "output", "router"],
         "with Muon: parameters AdamW takes, by module name (a glob on any dotted part of the name)", extension=True,

@@ -163,6 +163,15 @@ def validate(config: JobConfig) -> None:
     for name in ("adamw_lr", "adamw_weight_decay"):
         value = getattr(o, name)
         _require(value is None or value >= 0, f"optimizer.{name}={value} must be >= 0")
+    clip = f"optimizer.qk_clip_threshold={o.qk_clip_threshold}"
+    _require(o.qk_clip_threshold >= 0, f"{clip} must be >= 0 (0 = off)")
+    if o.qk_clip_threshold:
+        _require(o.name == "Muon", f"{clip} with optimizer.name='{o.name}': QK-clip is MuonClip's; use Muon or set it to 0")
+        _require(config.parallelism.context_parallel_degree == 1,
+                 f"{clip} with parallelism.context_parallel_degree={config.parallelism.context_parallel_degree}: context "
+                 "parallel's ring attention cannot report each head's largest logit; set it to 0 or turn context parallel off")
+        _require(not config.fault_tolerance.enable, f"{clip} with fault_tolerance.enable: each replica group would clip by "
+                 "its own data and the replicas drift apart; set it to 0 or turn fault tolerance off")
     _require(
         not (o.name == "Muon" and t.enable_cpu_offload),
         "optimizer.name='Muon' with training.enable_cpu_offload=true: Muon gathers each matrix over the process group, "

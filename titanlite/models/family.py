@@ -61,3 +61,6 @@ class ParallelPlan:
     # suffix -> (groups, row sizes): rows are `groups` repeats of blocks of those sizes, and Muon
     # orthogonalizes each block's rows across the groups as its own matrix (args -> that dict).
     matrix_components: Callable = lambda args: {}
+    # QK-clip's rule (optim/qk_clip.py): args -> (key/value groups, {weight name within an attention module:
+    # (row groups, [(rows, power of gamma), ...])}): which rows make each head's queries and keys. None: no rule.
+    qk_clip_rows: Callable | None = None

@@ -61,6 +61,7 @@ class Muon(torch.optim.Optimizer):
                         ns_steps=ns_steps, ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn, ns_distribution=ns_distribution)
         super().__init__(groups, defaults)
         self.components = components or {}  # parameter -> (groups, row sizes): matrix_components' projections
+        self.qk_clip = None  # MuonClip's QK-clip after each step (optim/qk_clip.py), where the run asks for it
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,6 +78,8 @@ class Muon(torch.optim.Optimizer):
             self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
             self.adamw.state = self.state
             self.adamw.step()
+        if self.qk_clip is not None:
+            self.qk_clip.clip()
         return loss
 
     def _muon_step(self, params: list[torch.Tensor], group: dict) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -60,6 +60,20 @@ def cuts(p: torch.Tensor) -> list[tuple[int, int]] | None:
         if len(strided) > 1 or any(d == dim and n < m for n, d in plain) or split != math.prod(mesh.size(n) for n in later):
             return None
     return plain + [(m, dim) for m, dim, _ in strided] or None
+
+
+def local_piece(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `whole`, a tensor shaped as `p` and to be placed as it is (a view where it can)."""
+    if not isinstance(p, DTensor):
+        return whole
+    plan = cuts(p)
+    if plan is None:  # replicated, or a placement the cuts do not undo: DTensor's own split, from the whole at hand
+        return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    me = p.device_mesh.get_coordinate()
+    for m, dim in plan:
+        sizes = piece_sizes(whole.shape[dim], p.device_mesh.size(m))
+        whole = whole.narrow(dim, sum(sizes[:me[m]]), sizes[me[m]])
+    return whole
 
 
 def piece_sizes(n: int, ranks: int) -> list[int]:

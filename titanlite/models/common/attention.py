@@ -79,9 +79,19 @@ def visible(q_document, q_position, kv_document, kv_position):
 
 class CoreAttention(nn.Module):
     """q (batch, heads, seq, head_dim); k, v with n_kv_heads heads (GQA shares each among the query
-    heads in order). No parameters: swapping it (context parallel) leaves checkpoints unchanged."""
+    heads in order). No parameters: swapping it (context parallel) leaves checkpoints unchanged.
+    `max_logits` (QK-clip sets it: one per query head) keeps the largest logit each head has seen in
+    training forwards (validation's run without grad). A buffer, not saved: the forward a pipeline
+    stage runs to learn its shapes, on activations nothing wrote, leaves buffers as they were."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("max_logits", None, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
+        if self.max_logits is not None and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.max_logits.copy_(torch.maximum(self.max_logits, largest_logits(q, k, mask)))
         if mask is not None and mask.block_mask is not None:
             flex_attention = compiled("flex_attention")
             return flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=k.shape[1] != q.shape[1])
@@ -95,6 +105,30 @@ class CoreAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=shared_in_kernel)
         allowed = mask.allowed(mask.document_ids, mask.positions)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=shared_in_kernel)
+
+
+def largest_logits(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None, elements: int = 2**24) -> torch.Tensor:
+    """Each query head's largest logit, q.k / sqrt(head_dim) (the kernels' scale), over the pairs it
+    may attend: computed apart in fp32 (no kernel reports it), a block of queries at a time (about
+    `elements` scores at once)."""
+    batch, heads, seq, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, seq, dim)  # each key head's query heads together
+    keys = k.float()[:, :, None].transpose(-1, -2)
+    best = torch.full((heads,), -torch.inf, device=q.device)
+    rows = max(1, elements // (batch * heads * seq))
+    for start in range(0, seq, rows):
+        end = min(seq, start + rows)
+        scores = grouped[..., start:end, :].float() @ keys / dim**0.5  # (batch, kv heads, group, rows, seq)
+        queries = torch.arange(start, end, device=q.device)
+        if mask is None:
+            allowed = queries[:, None] >= torch.arange(seq, device=q.device)
+        else:
+            ids, positions = mask.document_ids, mask.positions
+            allowed = visible(ids[:, None, None, start:end, None], positions[:, None, None, start:end, None],
+                              ids[:, None, None, None, :], positions[:, None, None, None, :])
+        best = torch.maximum(best, scores.masked_fill(~allowed, -torch.inf).amax(dim=(0, 3, 4)).reshape(heads))
+    return best
 
 
 def build_mask(document_ids: torch.Tensor, positions: torch.Tensor, attn_type: str) -> DocumentMask:

@@ -87,4 +87,9 @@ PLAN = ParallelPlan(
         "attention.wq.weight": (a.n_heads, [a.qk_nope_head_dim, a.qk_rope_head_dim]),  # each head's plain, rotary query
         "attention.wq_b.weight": (a.n_heads, [a.qk_nope_head_dim, a.qk_rope_head_dim]),
     },
+    # Kimi K2's rule: each head's plain query and key rows by sqrt(gamma), its rotary query rows by gamma;
+    # the shared rotary key (wkv_a) and the value rows stay
+    qk_clip_rows=lambda a: (a.n_heads, {
+        name: (a.n_heads, [(a.qk_nope_head_dim, 0.5), (a.qk_rope_head_dim, 1.0)]) for name in ("wq.weight", "wq_b.weight")
+    } | {"wkv_b.weight": (a.n_heads, [(a.qk_nope_head_dim, 0.5), (a.v_head_dim, 0.0)])}),
 )

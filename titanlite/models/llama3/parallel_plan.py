@@ -115,4 +115,7 @@ PLAN = ParallelPlan(
     block_tp_plan=block_plan,
     compile_units=compile_units,
     hf=hf,
+    # Each query head's rows and each key head's, by sqrt(gamma): GQA's per key/value group
+    qk_clip_rows=lambda a: (a.n_kv_heads, {"wq.weight": (a.n_heads, [(a.head_dim, 0.5)]),
+                                          "wk.weight": (a.n_kv_heads, [(a.head_dim, 0.5)])}),
 )

@@ -60,4 +60,5 @@ PLAN = ParallelPlan(
     moe_layers=moe_layers,
     expert_hidden_dims={"w1": 1, "w3": 1, "w2": 2},  # (experts, hidden, dim) and (experts, dim, hidden)
     float8_excluded=("router.gate",),  # float8 scores would move which experts tokens go to (TorchTitan keeps it too)
+    qk_clip_rows=llama3_plan.PLAN.qk_clip_rows,  # the same attention (flavors with q/k norms are refused)
 )
