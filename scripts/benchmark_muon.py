@@ -1,10 +1,11 @@
 """Muon against AdamW (docs/benchmarks.md#muon): what the optimizer step costs, and which wins.
 
     python scripts/benchmark_muon.py step [--ranks 2 4]     # optimizer step time: AdamW, Muon by owners, Muon on every rank
+                                                            # (FSDP on each count of ranks; FSDP 2 x TP 2 with 4)
     python scripts/benchmark_muon.py loss [--steps 300]     # validation loss of the debug model and debugmoe, best of 3 lrs each
 
-`step` builds the real Trainer on N gloo ranks (FSDP over all of them) for a model of dim 512 and 8
-blocks and times optimizer.step() on fixed gradients (median of 10, after 2 warm-ups). `loss` trains
+`step` builds the real Trainer on N gloo ranks (FSDP over all of them; with 4 also FSDP 2 x TP 2,
+whose matrices are cut along two mesh dims) for a model of dim 512 and 8 blocks and times optimizer.step() on fixed gradients (median of 10, after 2 warm-ups). `loss` trains
 each model with each optimizer at 3 learning rates through the CLI (the debug configs at seq_len
 128, 1 process), keeps each optimizer's best by its last validation loss, and plots validation loss
 against steps and against wall time (docs/img/muon_vs_adamw.png).
@@ -35,7 +36,7 @@ MODELS = {"debug model": ["--model.name", "llama3", "--model.flavor", "debugmode
           "debugmoe": ["--job.config_file", str(REPO / "train_configs" / "debug_moe.toml")]}
 
 
-def step_times(rank: int, world: int, port: int, queue) -> None:
+def step_times(rank: int, world: int, port: int, layout: list[str], queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -49,7 +50,7 @@ def step_times(rank: int, world: int, port: int, queue) -> None:
     dist.init_process_group("gloo")
     out = {}
     for label, args in OPTIMIZERS.items():
-        trainer = Trainer(parse_args(["--model.hf_assets_path", "byte", *SHAPE, *args, "--job.dump_folder", str(OUT / "step")]),
+        trainer = Trainer(parse_args(["--model.hf_assets_path", "byte", *SHAPE, *layout, *args, "--job.dump_folder", str(OUT / "step")]),
                           torch.device("cpu"))
         gen = torch.Generator().manual_seed(rank)
         for p in trainer.parameters():
@@ -77,20 +78,23 @@ def run_step(ranks: list[int]) -> dict:
     import torch.multiprocessing as mp
 
     results = {}
-    for world in ranks:
+    layouts = [(world, f"FSDP {world}", []) for world in ranks]
+    if 4 in ranks:
+        layouts.append((4, "FSDP 2 x TP 2", ["--parallelism.tensor_parallel_degree", "2"]))
+    for world, name, layout in layouts:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        procs = [ctx.Process(target=step_times, args=(r, world, port, queue)) for r in range(world)]
+        procs = [ctx.Process(target=step_times, args=(r, world, port, layout, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        results[world] = queue.get(timeout=1800)
+        results[name] = queue.get(timeout=1800)
         for p in procs:
             p.join()
-        print(f"{world} ranks (FSDP {world}), optimizer step, median of 10: " +
-              ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in results[world].items()), flush=True)
+        print(f"{world} ranks ({name}), optimizer step, median of 10: " +
+              ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in results[name].items()), flush=True)
     return results
 
 
