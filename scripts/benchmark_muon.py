@@ -31,7 +31,7 @@ OPTIMIZERS = {
     "Muon, owners": ["--optimizer.name", "Muon", "--optimizer.ns_distribution", "owners"],
     "Muon, every rank": ["--optimizer.name", "Muon", "--optimizer.ns_distribution", "every_rank"],
 }
-LRS = {"AdamW": ["5e-4", "1e-3", "2e-3"], "Muon": ["0.01", "0.02", "0.04"]}
+LRS = {"AdamW": ["1e-3", "2e-3", "4e-3"], "Muon": ["0.01", "0.02", "0.04"]}
 MODELS = {"debug model": ["--model.name", "llama3", "--model.flavor", "debugmodel"],
           "debugmoe": ["--job.config_file", str(REPO / "train_configs" / "debug_moe.toml")]}
 

@@ -110,7 +110,7 @@ class CoreAttention(nn.Module):
 def largest_logits(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None, elements: int = 2**24) -> torch.Tensor:
     """Each query head's largest logit, q.k / sqrt(head_dim) (the kernels' scale), over the pairs it
     may attend: computed apart in fp32 (no kernel reports it), a block of queries at a time (about
-    `elements` scores at once)."""
+    `elements` scores at once) against the keys up to the block's last (no later key is visible)."""
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, seq, dim)  # each key head's query heads together
@@ -119,16 +119,16 @@ def largest_logits(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None, 
     rows = max(1, elements // (batch * heads * seq))
     for start in range(0, seq, rows):
         end = min(seq, start + rows)
-        scores = grouped[..., start:end, :].float() @ keys / dim**0.5  # (batch, kv heads, group, rows, seq)
-        queries = torch.arange(start, end, device=q.device)
+        scores = grouped[..., start:end, :].float() @ keys[..., :end]  # (batch, kv heads, group, rows, keys)
+        queries, seen = torch.arange(start, end, device=q.device), torch.arange(end, device=q.device)
         if mask is None:
-            allowed = queries[:, None] >= torch.arange(seq, device=q.device)
+            allowed = queries[:, None] >= seen
         else:
             ids, positions = mask.document_ids, mask.positions
             allowed = visible(ids[:, None, None, start:end, None], positions[:, None, None, start:end, None],
-                              ids[:, None, None, None, :], positions[:, None, None, None, :])
-        best = torch.maximum(best, scores.masked_fill(~allowed, -torch.inf).amax(dim=(0, 3, 4)).reshape(heads))
-    return best
+                              ids[:, None, None, None, :end], positions[:, None, None, None, :end])
+        best = torch.maximum(best, scores.masked_fill_(~allowed, -torch.inf).amax(dim=(0, 3, 4)).reshape(heads))
+    return best / dim**0.5  # dividing after the max: the same bits (rounding keeps the order)
 
 
 def build_mask(document_ids: torch.Tensor, positions: torch.Tensor, attn_type: str) -> DocumentMask:
