@@ -365,11 +365,10 @@ def test_mtp_module_joins_the_normed_embedding_and_hidden_state_embedding_first(
 def test_yarn_comes_from_the_flavor_never_from_the_run_lengths():
     """Whether YaRN applies is the flavor's (DeepSeek's rope_scaling), as in transformers and TorchTitan:
     V3 and V2-Lite get YaRN's frequencies and softmax mscale at any length, and a validation longer
-    than training (the RoPE table grows to it, trainer.longest_sequence) changes neither. Expected values:
+    than training (the RoPE table grows to it, JobConfig.longest_sequence) changes neither. Expected values:
     DeepSeek's formulas, mscale = 0.1 * mscale_all_dim * ln(40) + 1 squared on the softmax, and
     frequencies turning fewer than beta_slow=1 times over 4096 positions divided by 40."""
     from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
-    from titanlite.trainer import longest_sequence
 
     plain = 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)
     slow = 4096 * plain / (2 * torch.pi) < 1  # the dims YaRN interpolates fully
@@ -380,7 +379,7 @@ def test_yarn_comes_from_the_flavor_never_from_the_run_lengths():
                    "--training.seq_len", str(seq_len), "--validation.enable", str(validation is not None).lower(),
                    "--validation.seq_len", str(validation or seq_len)]
             config = parse_args(cli)
-            args = model_args("deepseek_v3", flavor, 0, longest_sequence(config), 1, config.model)
+            args = model_args("deepseek_v3", flavor, 0, config.longest_sequence, 1, config.model)
             assert args.max_seq_len == (validation or seq_len)
             expected_mscale = (0.1 * mscale_all_dim * math.log(40) + 1) ** 2
             assert args.softmax_mscale == pytest.approx(expected_mscale, rel=1e-12), (flavor, seq_len, validation)

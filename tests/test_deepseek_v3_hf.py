@@ -27,11 +27,10 @@ def exported_debug_model(folder, cli: list[str]):
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.models.deepseek_v3.hf import save_hf
     from titanlite.models.deepseek_v3.model import DeepSeekV3Transformer
-    from titanlite.trainer import longest_sequence
 
     config = parse_args(cli)
     vocab = build_tokenizer(*config.tokenizer).vocab_size
-    args = model_args("deepseek_v3", "debugmodel", vocab, longest_sequence(config), config.model.n_layers, config.model)
+    args = model_args("deepseek_v3", "debugmodel", vocab, config.longest_sequence, config.model.n_layers, config.model)
     model = DeepSeekV3Transformer(args)
     model.init_weights(seed=0)
     state = model.state_dict()

@@ -22,6 +22,8 @@ name, each an exact count per step, microbatch or MoE layer, so one more read fa
   ep_split_sizes   1 per MoE layer and microbatch: expert parallel's all-to-all needs each rank's token
                    counts on the host to size its buffers (dropless routing; TorchTitan's reads them too),
                    and expert TP's all-gather its tp ranks' counts: one read for both.
+  spike_check      1 per step: health.spike_policy (on by default) reads the step's loss and grad norm,
+                   together, to decide whether its update may go ahead (spike_policy = off reads nothing).
   moe_finite_flag  1 per step: the MoE bias update moves the finite flag to the counts' device (the
                    same device on a GPU).
   mesh_rank_grid   3 per step under context parallel: `get_mesh("cp")` slices the world mesh each step,
@@ -56,6 +58,7 @@ class Allowance:
 ALLOWANCES = {
     "batch_to_device": Allowance("titanlite/trainer.py", ("Trainer.next_microbatches",), "microbatch"),
     "ep_split_sizes": Allowance("titanlite/parallel/expert.py", ("ExpertParallel._dispatch",), "moe layer"),
+    "spike_check": Allowance("titanlite/health.py", ("SpikeGuard.skips",), "step"),
     "moe_finite_flag": Allowance("titanlite/trainer.py", ("Trainer.move_expert_bias",), "step"),
     "mesh_rank_grid": Allowance(
         "torch/distributed/device_mesh.py", ("DeviceMesh.__init__", "DeviceMesh._compute_coordinates_from_mesh"), "step"
@@ -144,7 +147,7 @@ def test_steps_that_do_not_log_read_nothing_from_the_device(runs, case):
         for step in LOG_STEPS:  # the recorder sees the log's reads of the loss and grad norm
             texts = " ".join(text for _, text in per_step[step])
             assert "(Trainer.global_loss)" in texts and re.search(r"titanlite/train.py:\d+ \(train\)", texts), f"rank {rank}, log step {step}: {texts}"
-        expected = Counter({name: count * units[ALLOWANCES[name].per] for name, count in {"batch_to_device": 2, **allowed}.items()})
+        expected = Counter({name: count * units[ALLOWANCES[name].per] for name, count in {"batch_to_device": 2, "spike_check": 1, **allowed}.items()})
         for step in sorted(set(per_step) - set(LOG_STEPS)):
             reads = Counter(allowance_of(where) or text for where, text in per_step[step])
             assert reads == expected, f"rank {rank}, step {step} read {dict(reads)}; allowed exactly {dict(expected)}"

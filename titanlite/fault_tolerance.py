@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig
+from titanlite.dtensors import local
 from titanlite.metrics import log_line
 from titanlite.parallel.pipeline import spread_modules
 
@@ -56,11 +57,6 @@ def reported(what: str, timeout_ms: int):
             f"fault tolerance: {what} failed ({first}); the Lighthouse (TORCHFT_LIGHTHOUSE) and the other replica "
             f"groups must answer within fault_tolerance.process_group_timeout_ms={timeout_ms}"
         ) from None
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (the same part on the same rank of every group), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class FaultTolerance:

@@ -147,6 +147,11 @@ TB_TAGS = {
     "ft_goodput": "torchft/goodput",
     "ft_syncs": "torchft/syncs",
     "ft_syncs_failed": "torchft/syncs_failed",
+    "health_spike": "health/spike",
+    "health_spike_rank": "health/spike_rank",
+    "health_nonfinite_rank": "health/nonfinite_rank",
+    "health_straggler_rank": "health/straggler_rank",
+    "health_straggler_late_s": "health/straggler_late_s",
     "val_loss": "validation/loss",
     "val_perplexity": "validation/perplexity",
 }
@@ -272,6 +277,11 @@ class MetricsLogger:
         print(f"step {step:>6} | validation loss {loss:8.4f} | perplexity {row['val_perplexity']:10.2f}{sources}", flush=True)
         self._write(step, row)
         return row
+
+    def log_event(self, step: int, row: dict, line: str) -> None:
+        """A health alarm: one line on the console, its figures in metrics.jsonl, TensorBoard and W&B."""
+        log_line(line)
+        self._write(step, {"step": step} | row)
 
     def _write(self, step: int, row: dict) -> None:
         scalars = scalar_tags(row)

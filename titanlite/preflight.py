@@ -38,6 +38,9 @@ def check(config: JobConfig, world_size: int) -> None:
     if config.checkpoint.enable and config.checkpoint.last_save_in_hf:
         family.check_hf_export(args)
     dims.accumulation_steps(t.local_batch_size, t.global_batch_size)
+    injection = config.fault_injection
+    if injection.kind and not 0 <= injection.rank < world_size:
+        raise ConfigError(f"fault_injection.rank={injection.rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
     if dims.pp_enabled:
         from titanlite.parallel.pipeline import plan_stages
 

@@ -23,11 +23,13 @@ import torch.distributed as dist
 from titanlite.config import JobConfig, parse_args
 from titanlite.errors import ConfigError
 from titanlite.fault_tolerance import FaultToleranceFailed
+from titanlite.health import GRACE, HangWatchdog, Stragglers
 from titanlite.metrics import log_line
 from titanlite import preflight
 from titanlite.profiling import Profiler
 from titanlite.torchrun import start_attempt, write_error
-from titanlite.trainer import Trainer, TrainingDiverged, local_value
+from titanlite.dtensors import local
+from titanlite.trainer import Trainer, TrainingDiverged
 
 
 def init_distributed(config: JobConfig) -> torch.device:
@@ -114,9 +116,10 @@ def set_collective_timeout(seconds: int, keep=()) -> None:
 
 
 def shorten_collective_timeout(trainer: Trainer) -> None:
-    """comm.train_timeout_seconds for training's groups; the async checkpoint keeps its own."""
+    """comm.train_timeout_seconds for training's groups (GRACE more under the hang watchdog, which then
+    reports first); the async checkpoint keeps its own."""
     keep = [trainer.checkpointer.checkpoint_group] if trainer.checkpointer.checkpoint_group else []
-    set_collective_timeout(trainer.config.comm.train_timeout_seconds, keep)
+    set_collective_timeout(trainer.config.comm.train_timeout_seconds + (GRACE if trainer.config.health.hang_watchdog else 0), keep)
 
 
 def train(trainer: Trainer) -> None:
@@ -160,9 +163,13 @@ def train(trainer: Trainer) -> None:
     loss = float("nan")
     trainer.profiler = Profiler(trainer.config, dist.get_rank(), trainer.device)
     redo = False  # the last step did not commit (fault tolerance): its batch again
+    stragglers = Stragglers(trainer.config, trainer.metrics, trainer.hosts)
+    watchdog = HangWatchdog(trainer.config, dist.get_rank(), trainer.hosts) if trainer.config.health.hang_watchdog else None
     trained = 0  # steps this process trained (not a resumed run's, not those of a peer it healed from)
     while trainer.step < t.steps:
         trainer.step += 1
+        if watchdog:  # from the second step: the first compiles and sets up
+            watchdog.at(trainer.step, 0, armed=trained > 0)
         if t.gc_debug:
             gc.collect()  # every step, every generation: memory held by reference cycles shows at once
         elif trainer.step % t.gc_freq == 0:
@@ -171,7 +178,13 @@ def train(trainer: Trainer) -> None:
         if not redo:
             microbatches = trainer.next_microbatches(data_iter)
         data_seconds = time.perf_counter() - data_start
+        trainer.injector.before_step(trainer.step, trainer.model_parts)
+        stragglers.arrive(trainer.step, trainer.device)
+        if watchdog:
+            watchdog.at(trainer.step, 1, armed=False)
+        step_start = time.perf_counter()
         local_loss, grad_norm = trainer.train_step(microbatches)
+        trainer.injector.after_step(trainer.step, trainer.parameters())
         redo = trainer.ft is not None and not trainer.ft.committed
         if redo:
             log_line(f"step {trainer.step} not committed (a replica group failed or healed in it): redone with the same batch")
@@ -180,6 +193,7 @@ def train(trainer: Trainer) -> None:
         trainer.tokens_seen += tokens_per_step * trainer.dp_degree
         trained += 1
         trainer.metrics.record_step(tokens_per_step, data_seconds)
+        stragglers.check(trainer.step, step_start, trainer.device)
         last = trainer.step == t.steps
         # Only log, validation and checkpoint steps wait for the device (and reduce the loss).
         validating = v.enable and (trainer.step % v.freq == 0 or last)
@@ -191,6 +205,8 @@ def train(trainer: Trainer) -> None:
             lr = trainer.lr_schedulers[0].get_last_lr()[0]
             skipped = trainer.skipped_steps if t.skip_nonfinite_steps else None
             trainer.metrics.log(trainer.step, loss, grad_norm.item(), lr, trainer.tokens_seen, skipped, trainer.step_extras())
+        if watchdog:
+            watchdog.at(trainer.step, 2, armed=False)  # validation and checkpoints are not timed
         if validating:
             trainer.metrics.log_validation(trainer.step, trainer.validate())
             trainer.metrics.reset()  # keep evaluation time out of the next throughput window
@@ -221,11 +237,11 @@ def create_seed_checkpoint(trainer: Trainer) -> None:
 
 def describe_dry_run(trainer: Trainer) -> None:
     """What each rank would hold, from the meta-device model: checks a big layout on a laptop."""
-    local = sum(local_value(p).numel() for p in trainer.parameters())
+    held = sum(local(p).numel() for p in trainer.parameters())
     # fp32 params + grads + two Adam moments per local parameter.
     log_line(
         f"dry run OK: layout {trainer.dims.describe()}; model {trainer.num_params:,} params, "
-        f"{local:,} on rank 0 (~{16 * local / 2**30:.1f} GiB of params, grads and AdamW states); "
+        f"{held:,} on rank 0 (~{16 * held / 2**30:.1f} GiB of params, grads and AdamW states); "
         f"{trainer.flops_per_token / 1e9:.2f} GFLOPs/token"
     )
 

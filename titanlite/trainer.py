@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.checkpoint.checkpointer import Checkpointer
@@ -27,7 +26,10 @@ from titanlite.data.sources import token_parts
 from titanlite.data.windows import MixedWindows
 from titanlite.fault_tolerance import FaultTolerance
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.dtensors import local
 from titanlite.errors import ConfigError
+from titanlite.fault_injection import FaultInjector
+from titanlite.health import SpikeGuard, hosts
 from titanlite.loss import IGNORED, cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
@@ -35,7 +37,7 @@ from titanlite.models.common.attention import document_layout
 from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
 from titanlite.optim.build import build_optimizer, check_adamw_params
-from titanlite.optim.clip import clip_grad_norm_, reduce_partial_grads
+from titanlite.optim.clip import clip_grad_norm_, clip_to, reduce_partial_grads
 from titanlite.optim.qk_clip import qk_clip
 from titanlite.optim.schedule import build_lr_scheduler
 from titanlite.parallel.activation_checkpoint import check_replays_done, replays
@@ -68,10 +70,6 @@ def set_determinism(config: JobConfig, device: torch.device) -> int:
     return seed
 
 
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class Trainer:
     def __init__(self, config: JobConfig, device: torch.device):
         self.config, self.device = config, device
@@ -84,7 +82,7 @@ class Trainer:
         tokenizer_value, tokenizer_key = config.tokenizer
         self.tokenizer = build_tokenizer(tokenizer_value, tokenizer_key)
         args = model_args(
-            config.model.name, config.model.flavor, self.tokenizer.vocab_size, longest_sequence(config), config.model.n_layers, config.model
+            config.model.name, config.model.flavor, self.tokenizer.vocab_size, config.longest_sequence, config.model.n_layers, config.model
         )
         self.document_masking = args.attn_mask_type == "block_causal"
         # Masks other than documents' (Llama 4's chunks) need each token's position in the window.
@@ -190,6 +188,9 @@ class Trainer:
         )
         self.checkpointer = Checkpointer(config, self)
         self.profiler = None
+        self.hosts = hosts()  # every rank's, for the health checks' messages
+        self.spikes = SpikeGuard(config, self.metrics, self.hosts) if config.health.spike_policy != "off" else None
+        self.injector = FaultInjector(config, dist.get_rank())
 
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
@@ -257,14 +258,14 @@ class Trainer:
         if self.mtp_depth:
             labels, depth_labels = labels[..., 0], labels[..., 1:]
         if not isinstance(output, tuple):  # chunked: the model's own loss, summed (OutputProjection)
-            own = output if self.chunked_loss else local_value(self.cross_entropy(output, labels))
+            own = output if self.chunked_loss else local(self.cross_entropy(output, labels))
             return own / self.loss_scale
         if self.chunked_loss:  # each depth's summed loss, IGNORED labels left out
             own, *depths = output
         else:
             logits, *predictions = output
-            own = local_value(self.cross_entropy(logits, labels))
-            depths = [local_value(self.cross_entropy(p, depth_labels[..., k], masked=True)) for k, p in enumerate(predictions)]
+            own = local(self.cross_entropy(logits, labels))
+            depths = [local(self.cross_entropy(p, depth_labels[..., k], masked=True)) for k, p in enumerate(predictions)]
         mtp = sum(depths) / len(depths)
         if not MetadataInference.running:  # a pipeline stage's shape inference: its outputs are no batch's
             self.mtp_loss += mtp.detach() / self.loss_scale
@@ -297,7 +298,8 @@ class Trainer:
         if self.ft:
             self.ft.start_step()  # the replica groups' quorum, while the forward runs
         loss = self.compute_gradients(microbatches)
-        return loss, self.apply_gradients()
+        self.injector.after_backward(self.step, self.parameters())
+        return loss, self.apply_gradients(loss)
 
     def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward/backward every microbatch; returns this rank's part of the global mean loss (on the
@@ -333,30 +335,33 @@ class Trainer:
             dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank adds a nonzero
         return loss
 
-    def apply_gradients(self) -> torch.Tensor:
+    def apply_gradients(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip, step the optimizer and the lr schedule, clear gradients; returns the grad norm (on the
         device). A grad norm that is not finite is kept as the step's number on the device, and
         `check_finite` (log and checkpoint steps) stops the run there. With training.skip_nonfinite_steps
-        the step is skipped instead, which needs the norm on the host: one wait for the device a step."""
+        the step is skipped instead, as is a spike of the loss or grad norm (health.spike_policy = skip):
+        both need the values on the host, one wait for the device a step."""
         params = self.parameters()
         reduce_partial_grads(params)
         balance = self.expert_balance() if self.is_moe else None
         if self.ft:
             self.ft.sync_gradients(params)
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, self.pp_group)
+        grad_norm = clip_grad_norm_(params, 0, self.pp_group)  # the norm; clipped below, after the checks read the gradients
         finite = torch.isfinite(grad_norm)
         # False: a replica group failed in this step (fault tolerance); nothing of it counts, it is redone.
         commit = self.ft.should_commit() if self.ft else True
-        skip = commit and self.config.training.skip_nonfinite_steps and not bool(finite)
+        spike = commit and self.spikes is not None and self.spikes.skips(self, loss, grad_norm)
+        skip = commit and (self.config.training.skip_nonfinite_steps and not bool(finite) or spike)
+        clip_to(params, self.config.training.max_norm, grad_norm)
         for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
             if commit and not skip:
                 opt.step()
                 scheduler.step()
             opt.zero_grad(set_to_none=True)
         if balance is not None:
-            self.move_expert_bias(balance, finite, commit)
+            self.move_expert_bias(balance, finite, commit and not skip)
         if skip:
-            self.skip_step(grad_norm.item())
+            self.skip_step(f"a spike at step {self.step}" if spike else f"grad norm is {grad_norm.item()} at step {self.step}")
         elif commit:
             self.first_nonfinite_step.masked_fill_(~finite & (self.first_nonfinite_step < 0), self.step)
         return grad_norm
@@ -392,10 +397,9 @@ class Trainer:
         update_expert_bias(self.moe_layers, balance[0] * (finite.to(balance[0].device) & commit))
         self.balance = balance
 
-    def skip_step(self, grad_norm: float) -> None:
-        """A step whose gradients are not finite: the optimizer and lr schedule did not move."""
+    def skip_step(self, where: str) -> None:
+        """A step whose gradients are not finite or spiked: the optimizer and lr schedule did not move."""
         t = self.config.training
-        where = f"grad norm is {grad_norm} at step {self.step}"
         self.skipped_steps += 1
         log_line(f"{where}: optimizer step skipped ({self.skipped_steps} skipped so far)")
         if self.skipped_steps > t.max_skipped_steps:
@@ -490,9 +494,3 @@ def shifted(labels: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     out = labels.new_full(labels.shape, fill)
     out[:, : labels.shape[1] - k] = labels[:, k:]
     return out
-
-
-def longest_sequence(config: JobConfig) -> int:
-    """The RoPE table's length: training's sequences, or validation's where longer."""
-    v = config.validation
-    return max(config.training.seq_len, v.seq_len if v.enable else 0)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from titanlite.config.fields import NO_MOE, NO_MX, opt, section
 from titanlite.config.quantize import FLOAT8_CONVERTERS, Float8Linear, Quantize
+from titanlite.config.resilience import FaultInjection, FaultTolerance, Health
 from titanlite.config.writing import toml_text
 from titanlite.models import FAMILIES
 
@@ -399,30 +400,6 @@ class MemoryEstimation:
 
 
 @dataclass
-class FaultTolerance:
-    enable: bool = opt(False, "torchft replica groups: each its own torchrun job; a failed group drops out, the rest go on")
-    process_group: str = opt("gloo", "torchft's process group between replica groups", ("gloo", "nccl"))
-    process_group_timeout_ms: int = opt(10000, "torchft's collective and Lighthouse timeout")
-    replica_id: int = opt(0, "this replica group's id, 0 .. group_size - 1")
-    group_size: int = opt(0, "how many replica groups the job has")
-    min_replica_size: int = opt(1, "fewest replica groups that may commit a step")
-    semi_sync_method: str | None = opt(
-        None, "local_sgd or diloco: groups train apart and meet every sync_steps steps; none = gradients every step",
-        choices=("local_sgd", "diloco", None),
-    )
-    # torchtitan/components/ft/config: the keys TorchTitan's FT experiment adds.
-    sync_steps: int = opt(5, "local_sgd/diloco: inner steps between syncs")
-    should_quantize: bool = opt(False, "diloco: all-reduce the pseudo-gradients in float8 (torchft; needs triton, a GPU)")
-    fragment_sync_delay: int = opt(0, "streaming diloco: inner steps a fragment's all-reduce runs before it is waited for")
-    fragment_update_alpha: float = opt(0.0, "streaming diloco: share of the local weights kept at a sync (0 = the global ones)")
-    module_fqns_per_model_fragment: list[list[str]] = opt(
-        [], "diloco fragments by module name, e.g. [[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"norm\", \"output\"]]; "
-        "empty = num_fragments runs of consecutive blocks"
-    )
-    num_fragments: int = opt(1, "streaming diloco: fragments synced in turn, sync_steps / num_fragments steps apart")
-
-
-@dataclass
 class Experimental:
     custom_import: str = opt("", "a module to import at start", not_implemented="register models in titanlite/models")
     custom_args_module: str = opt("", "DEPRECATED in TorchTitan (job.custom_config_module)", not_implemented="add keys to titanlite/config/schema.py")
@@ -472,6 +449,8 @@ class JobConfig:
     comm: Comm = section(Comm)
     memory_estimation: MemoryEstimation = section(MemoryEstimation)
     fault_tolerance: FaultTolerance = section(FaultTolerance)
+    health: Health = section(Health)
+    fault_injection: FaultInjection = section(FaultInjection)
     experimental: Experimental = section(Experimental)
     validation: Validation = section(Validation)
     debug: Debug = section(Debug)
@@ -488,6 +467,11 @@ class JobConfig:
     def float8(self) -> Float8Linear | None:
         """The float8 settings when `model.converters` has float8, else None."""
         return self.quantize.linear.float8 if set(FLOAT8_CONVERTERS) & set(self.model.converters) else None
+
+    @property
+    def longest_sequence(self) -> int:
+        """The RoPE table's length: training's sequences, or validation's where longer."""
+        return max(self.training.seq_len, self.validation.seq_len if self.validation.enable else 0)
 
     @property
     def tokenizer(self) -> tuple[str, str]:

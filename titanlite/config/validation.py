@@ -163,6 +163,15 @@ def validate(config: JobConfig) -> None:
     for name in ("adamw_lr", "adamw_weight_decay"):
         value = getattr(o, name)
         _require(value is None or value >= 0, f"optimizer.{name}={value} must be >= 0")
+    h, injection = config.health, config.fault_injection
+    _require(h.spike_window >= 2, f"health.spike_window={h.spike_window} must be >= 2 (steps of history)")
+    _require(h.spike_sigmas > 0, f"health.spike_sigmas={h.spike_sigmas} must be > 0 (standard deviations above the mean)")
+    _require(h.straggler_interval >= 0, f"health.straggler_interval={h.straggler_interval} must be >= 0 (0 = off)")
+    _require(h.straggler_percent > 0, f"health.straggler_percent={h.straggler_percent} must be > 0")
+    _require(h.straggler_checks >= 1, f"health.straggler_checks={h.straggler_checks} must be >= 1")
+    _require(injection.step >= 1 and injection.steps >= 1, f"fault_injection.step={injection.step} and steps={injection.steps} must be >= 1")
+    _require(injection.seconds >= 0, f"fault_injection.seconds={injection.seconds} must be >= 0")
+    _require(0 <= injection.bit < 32, f"fault_injection.bit={injection.bit} must be a bit of a float32: 0..31")
     clip = f"optimizer.qk_clip_threshold={o.qk_clip_threshold}"
     _require(o.qk_clip_threshold >= 0, f"{clip} must be >= 0 (0 = off)")
     if o.qk_clip_threshold:

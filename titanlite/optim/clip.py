@@ -35,19 +35,30 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     mesh; plain-tensor gradients are whole on every rank and count once. Under pipeline parallel
     each stage holds different parameters, so squared norms are summed over the pp group too.
     """
-    params = [p for p in params if p.grad is not None]
-    # One group per mesh (expert-parallel experts live on another mesh than the rest); plain tensors apart.
-    groups = defaultdict(list)
-    for p in params:
-        groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
-    total_sq = torch.zeros((), device=params[0].grad.device if params else "cpu")
+    groups = by_mesh(params)
+    total_sq = torch.zeros((), device=next(iter(groups.values()))[0].grad.device if groups else "cpu")
     for mesh, group in groups.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         total_sq += (norm.full_tensor() if mesh is not None else norm).float() ** 2
     if pp_group is not None:
         torch.distributed.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
-    if max_norm > 0:
-        for group in groups.values():  # foreach kernels take each mesh's DTensors (and plain tensors) apart
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    clip_to(params, max_norm, total)
     return total
+
+
+def clip_to(params, max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients, whose total norm is `total`, to a total norm of at most max_norm (if > 0)."""
+    if max_norm > 0:
+        for group in by_mesh(params).values():  # foreach kernels take each mesh's DTensors (and plain tensors) apart
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+
+
+def by_mesh(params) -> dict:
+    """The parameters with gradients, one group per mesh (expert-parallel experts live on another mesh
+    than the rest); plain tensors apart."""
+    groups = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    return groups

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from titanlite.dtensors import local
 from titanlite.optim.owners import orthogonal_pieces
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic
@@ -42,10 +42,6 @@ def lr_scale(adjust_lr_fn: str, rows: int, cols: int) -> float:
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     return math.sqrt(max(1, rows / cols))
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Muon(torch.optim.Optimizer):

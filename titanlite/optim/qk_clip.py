@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.errors import ConfigError
-from titanlite.optim.muon import local
+from titanlite.dtensors import local
 from titanlite.optim.owners import local_piece
 
 

@@ -1,0 +1,110 @@
+"""A long run's guards against faults injected through the config (real gloo ranks, the real CLI):
+a poisoned batch and a flipped gradient bit are found as spikes, named by rank and skipped; a slowed
+rank is named a straggler; a hung rank leaves every rank's stack on disk, is named in one line, and
+the restart torchrun makes resumes; bad settings are one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from helpers import REPO, run_command, tiny_args
+
+
+def torchrun(nproc: int, folder, *args: str, restarts: int = 0, timeout: int = 300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max_restarts={restarts}", "-m", "titanlite.train", *args]
+    return run_command(cmd, timeout=timeout, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def rows(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_spike_is_named_by_rank_and_its_update_skipped(corpus_jsonl, tmp_path):
+    """FSDP 2, rank 1's batch at step 7 makes logits 100x: found against 6 steps of history, rank 1
+    named, the update skipped, and the run ends with finite losses."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "10", "--health.spike_window", "6",
+                     "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1")
+    out = torchrun(2, tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    spikes = re.findall(r"step (\d+): spike: [^\n]*?rank (\d) \([^)]*\) holds the largest part (of the [a-z' ]+); update skipped", out.stdout)
+    assert set(spikes) == {("7", "1", "of the loss")}, out.stdout[-3000:]  # (each rank prints it)
+    assert "a spike at step 7: optimizer step skipped (1 skipped so far)" in out.stdout
+    logged = rows(tmp_path)
+    assert [r["health_spike_rank"] for r in logged if "health_spike" in r] == [1.0]
+    losses = [r["loss"] for r in logged if "loss" in r]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_a_flipped_bit_that_makes_the_grad_norm_infinite_is_named_and_skipped(corpus_jsonl, tmp_path):
+    """Bit 30 (the exponent's top) of rank 1's largest gradient element: the grad norm overflows. The
+    step is named by rank and, with training.skip_nonfinite_steps, skipped."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--training.skip_nonfinite_steps",
+                     "--fault_injection.kind", "bitflip_grad", "--fault_injection.step", "5", "--fault_injection.rank", "1")
+    out = torchrun(2, tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert set(re.findall(r"step (\d+): not finite: grad_norm is inf; rank (\d) \(", out.stdout)) == {("5", "1")}, out.stdout[-3000:]
+    assert "grad norm is inf at step 5: optimizer step skipped" in out.stdout
+    assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
+
+
+def test_a_slowed_rank_is_named_a_straggler(corpus_jsonl, tmp_path):
+    """Rank 1 held 1 s at the start of steps 3-9, every step checked: named at its third late check."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "9", "--health.straggler_interval", "1",
+                     "--fault_injection.kind", "slow", "--fault_injection.rank", "1", "--fault_injection.step", "3",
+                     "--fault_injection.steps", "7", "--fault_injection.seconds", "1")
+    out = torchrun(2, tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    named = re.findall(r"step (\d+): straggler: rank (\d) \(", out.stdout)
+    assert set(named) == {("5", "1")}, out.stdout[-3000:]
+    assert [r["health_straggler_rank"] for r in rows(tmp_path) if "health_straggler_rank" in r] == [1.0]
+
+
+def test_a_hung_rank_is_named_its_stacks_written_and_the_restart_resumes(corpus_jsonl, tmp_path):
+    """Rank 1 hangs at step 4 (timeout 10 s): both ranks' stacks on disk, one line naming rank 1, exit
+    within the timeout + 30 s; torchrun's restart (the drill strikes the first attempt only) resumes
+    from step 2's checkpoint and finishes."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
+                     "--comm.train_timeout_seconds", "10", "--fault_injection.kind", "hang", "--fault_injection.rank", "1",
+                     "--fault_injection.step", "4")
+    start = time.monotonic()
+    out = torchrun(2, tmp_path, *args, restarts=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = re.search(r"titanlite: step 4 ran past comm.train_timeout_seconds=10: rank 1 \([^)]*\) did not reach what the others did", out.stderr + out.stdout)
+    assert line, (out.stdout[-2000:], out.stderr[-3000:])
+    stacks = sorted(p.name for p in (tmp_path / "hang").iterdir())
+    assert stacks == ["rank0.txt", "rank1.txt"]
+    assert "before_step" in (tmp_path / "hang" / "rank1.txt").read_text()  # the hung rank's own frame
+    assert "loaded checkpoint" in out.stdout and "done: 6 steps" in out.stdout
+    assert time.monotonic() - start < 10 + 30 + 90  # the hang's exit, and two attempts' start-up and steps
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--health.spike_window", "0", "health.spike_window=0 must be >= 2"),
+    ("--health.spike_sigmas", "-1", "health.spike_sigmas=-1.0 must be > 0"),
+    ("--health.spike_policy", "rollback", "not built yet"),
+    ("--fault_injection.bit", "32", "fault_injection.bit=32 must be a bit of a float32"),
+])
+def test_bad_health_settings_are_one_line(flag, value, words):
+    from titanlite.config import parse_args
+    from titanlite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse_args([flag, value])
+
+
+def test_an_injection_rank_outside_the_world_is_one_line(corpus_jsonl, tmp_path):
+    from titanlite import preflight
+    from titanlite.config import parse_args
+    from titanlite.errors import ConfigError
+
+    config = parse_args(tiny_args(corpus_jsonl, tmp_path, "--fault_injection.kind", "slow", "--fault_injection.rank", "2"))
+    with pytest.raises(ConfigError, match=re.escape("fault_injection.rank=2 is outside the world of 2 ranks (0..1)")):
+        preflight.check(config, 2)

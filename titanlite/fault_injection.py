@@ -1,0 +1,77 @@
+"""A fire drill ([fault_injection]): one fault, at one step, on one rank, in the first attempt of a
+job (a restarted attempt runs clean, so a drill of a hang shows the restart resuming):
+
+  nan_batch      the rank's logits of that step become NaN (as a poisoned batch would make them)
+  spike_batch    ... are multiplied by spike_factor: a loss and grad-norm spike
+  bitflip_grad   one bit of one gradient element flips, after backward, before the grad norm
+  bitflip_param  one bit of one weight element flips, after the optimizer step
+  slow           the rank is held `seconds` at the start of each of `steps` steps: a straggler
+  hang           the rank stops at the step's start and never goes on
+
+Flips strike the largest element of the first parameter (its gradient) this rank holds a nonzero
+piece of: bit `bit` of its float32.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from titanlite.dtensors import local
+from titanlite.metrics import log_line
+
+
+class FaultInjector:
+    def __init__(self, config, rank: int):
+        f = config.fault_injection
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.kind = f.kind if first_attempt and rank == f.rank else ""
+        self.settings, self.hooks = f, []
+
+    def strikes(self, step: int, kind: str) -> bool:
+        f = self.settings
+        return self.kind == kind and (f.step <= step < f.step + f.steps if kind == "slow" else step == f.step)
+
+    def before_step(self, step: int, model_parts) -> None:
+        """At the step's start: hold or stop the rank, or poison the logits of its batch."""
+        if self.strikes(step, "slow"):
+            time.sleep(self.settings.seconds)
+        if self.strikes(step, "hang"):
+            log_line(f"fault injection: rank hangs at step {step}")
+            while True:
+                time.sleep(3600)
+        for kind, factor in (("nan_batch", float("nan")), ("spike_batch", self.settings.spike_factor)):
+            if self.strikes(step, kind):
+                log_line(f"fault injection: {kind} at step {step}")
+                # The last stage's output is the logits (other stages pass hidden states on: scaled too)
+                self.hooks = [part.register_forward_hook(lambda m, i, out, f=factor: scaled(out, f)) for part in model_parts]
+
+    def after_backward(self, step: int, params) -> None:
+        if self.strikes(step, "bitflip_grad"):
+            flip(step, "gradient", [p.grad for p in params if p.grad is not None], self.settings.bit)
+
+    def after_step(self, step: int, params) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        if self.strikes(step, "bitflip_param"):
+            flip(step, "weight", [p.detach() for p in params], self.settings.bit)
+
+
+def scaled(out, factor: float):
+    """A module's output times `factor`: the tensor, or the first of a tuple (the logits or the loss)."""
+    return out * factor if isinstance(out, torch.Tensor) else (out[0] * factor, *out[1:])
+
+
+def flip(step: int, what: str, tensors, bit: int) -> None:
+    """One bit of the largest element of the first float32 tensor this rank holds a nonzero piece of."""
+    for t in map(local, tensors):
+        flat = t.view(-1)
+        if t.dtype == torch.float32 and flat.numel() and bool(flat.any()):
+            i = int(flat.abs().argmax())
+            before = flat[i].item()
+            flat[i:i + 1].view(torch.int32).bitwise_xor_((1 << bit) if bit < 31 else -(1 << 31))  # bit 31 (the sign) as an int32
+            log_line(f"fault injection: step {step}: bit {bit} of a {what} flipped, {before:.4g} -> {flat[i].item():.4g}")
+            return

@@ -1,0 +1,198 @@
+"""A long run's guards ([health]): loss spikes, stragglers and hangs, each found and named by rank.
+
+- `SpikeGuard`: a step whose loss or grad norm is past mean + k std of the last `spike_window` good
+  steps (the global values: every rank decides alike) is skipped (no optimizer update, as OLMo-core
+  does) or only named. The rank whose part of the loss is largest is named with it. Non-finite grad
+  norms stay training.skip_nonfinite_steps' (skip) or stop the run.
+- `Stragglers`: every `straggler_interval` steps each rank's arrival at the step's start (after its
+  own work since the last collective: the optimizer step, logging, data) is gathered; a rank later than
+  the median by `straggler_percent` of the median step time, `straggler_checks` checks in a row, is
+  named. Slowness inside a collective (FSDP's gathers, TP's) holds every rank alike: not seen here.
+- `HangWatchdog`: a step past comm.train_timeout_seconds: every rank writes its Python stack to
+  <dump_folder>/hang/ and its progress to the store, the ranks furthest behind are named in one
+  line, and the rank exits 1 (torchrun or torchft restarts it). Collectives then time out later
+  (`GRACE` seconds on), so the watchdog speaks first.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titanlite.dtensors import local
+from titanlite.metrics import log_line
+from titanlite.torchrun import write_error
+
+GRACE = 60  # seconds the collectives wait beyond the watchdog's deadline
+PHASES = ("at the step's start (its batch, its own work)", "in the step (forward, backward, optimizer)", "done with the step")
+
+
+def hosts() -> list[str]:
+    """Every rank's host name (one all-gather, at start)."""
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return names
+
+
+class SpikeGuard:
+    def __init__(self, config, metrics, hosts: list[str]):
+        h = config.health
+        self.policy, self.window, self.sigmas, self.metrics, self.hosts = h.spike_policy, h.spike_window, h.spike_sigmas, metrics, hosts
+        self.history = {"loss": deque(maxlen=self.window), "grad_norm": deque(maxlen=self.window)}
+        self.spikes = 0
+
+    def skips(self, trainer, local_loss: torch.Tensor | None, grad_norm: torch.Tensor) -> bool:
+        """Whether this step's update is to be skipped (a spike under policy skip). Collective: every rank
+        calls it (with no loss, as a test stepping by hand does, nothing is checked)."""
+        if local_loss is None:
+            return False
+        loss = trainer.reduce_loss(local_loss.detach().clone())
+        values = dict(zip(("loss", "grad_norm"), torch.stack([loss.float(), grad_norm.float()]).tolist()))  # one read
+        finite = all(math.isfinite(v) for v in values.values())
+        found = self.far_above(values) if finite else [f"{n} is {v}" for n, v in values.items() if not math.isfinite(v)]
+        if not found:
+            return False
+        worst, whose = self.whose(trainer, local_loss, by_loss=found[0].startswith("loss"))
+        named = f"rank {worst} ({self.hosts[worst]}) holds the largest part {whose}"
+        if not finite:  # training.skip_nonfinite_steps skips it or stops the run; here it is named
+            self.metrics.log_event(trainer.step, {"health_nonfinite_rank": float(worst)},
+                                   f"step {trainer.step}: not finite: {'; '.join(found)}; {named}")
+            return False
+        self.spikes += 1
+        action = "skipped" if self.policy == "skip" else "kept (health.spike_policy = warn)"
+        self.metrics.log_event(trainer.step, {"health_spike": 1.0, "health_spike_rank": float(worst)},
+                               f"step {trainer.step}: spike: {'; '.join(found)} (window of {len(self.history['loss'])} "
+                               f"steps); {named}; update {action}")
+        return self.policy == "skip"
+
+    def far_above(self, values: dict[str, float]) -> list[str]:
+        """What is past its window's mean + k std; the history takes the values when none is."""
+        found = []
+        for name, value in values.items():
+            past = self.history[name]
+            if len(past) >= max(2, self.window // 2):
+                mean, std = statistics.fmean(past), statistics.pstdev(past)
+                if value > mean + self.sigmas * std:
+                    found.append(f"{name} {value:.4g} is past {mean:.4g} + {self.sigmas:g} x {std:.4g}")
+        if not found:
+            for name, value in values.items():
+                self.history[name].append(value)
+        return found
+
+    def whose(self, trainer, local_loss: torch.Tensor, by_loss: bool) -> tuple[int, str]:
+        """The rank with the largest part of the loss (a poisoned batch), else of the gradients' squares (a
+        flipped bit: each rank's own pieces; FSDP's are reduced over the batch already). One all-gather."""
+        grads = [local(p.grad).float().square().sum() for p in trainer.parameters() if p.grad is not None]
+        mine = torch.stack([local_loss.detach().float().reshape(()), torch.stack(grads).sum() if grads else local_loss.new_zeros(())])
+        parts = [torch.zeros_like(mine) for _ in self.hosts]
+        dist.all_gather(parts, mine)
+        column = [part[0 if by_loss else 1].item() for part in parts]
+        worst = max(range(len(column)), key=lambda r: column[r] if column[r] == column[r] else math.inf)  # NaN counts as largest
+        return worst, "of the loss" if by_loss else "of the gradients' squares"
+
+
+class Stragglers:
+    def __init__(self, config, metrics, hosts: list[str]):
+        h = config.health
+        self.interval, self.percent, self.checks = h.straggler_interval, h.straggler_percent, h.straggler_checks
+        self.metrics, self.hosts = metrics, hosts
+        self.in_a_row = [0] * len(hosts)
+        self.arrived = 0.0
+
+    def due(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0
+
+    def arrive(self, step: int, device: torch.device) -> None:
+        """The step's start on this rank, after its own work (on a GPU, once its queued work is done)."""
+        if self.due(step):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.arrived = time.time()
+
+    def check(self, step: int, step_start: float, device: torch.device) -> None:
+        """On check steps: gather every rank's arrival and step time, name a rank late too often. Collective."""
+        if not self.due(step):
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mine = torch.tensor([self.arrived, time.perf_counter() - step_start], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in self.hosts]
+        dist.all_gather(every, mine)
+        arrivals = [float(t[0]) for t in every]
+        median_arrival, median_step = statistics.median(arrivals), statistics.median(float(t[1]) for t in every)
+        for rank, arrival in enumerate(arrivals):
+            late = arrival - median_arrival
+            self.in_a_row[rank] = self.in_a_row[rank] + 1 if late > self.percent / 100 * median_step else 0
+            if self.in_a_row[rank] == self.checks:
+                self.metrics.log_event(step, {"health_straggler_rank": float(rank), "health_straggler_late_s": late},
+                                       f"step {step}: straggler: rank {rank} ({self.hosts[rank]}) reached the step {late:.2f} s after "
+                                       f"the median rank ({100 * late / median_step:.0f}% of the median step time of "
+                                       f"{median_step:.2f} s), {self.checks} checks in a row")
+
+
+class HangWatchdog:
+    def __init__(self, config, rank: int, hosts: list[str]):
+        self.timeout, self.rank, self.hosts = config.comm.train_timeout_seconds, rank, hosts
+        self.folder = Path(config.job.dump_folder) / "hang"
+        self.store = dist.distributed_c10d._get_default_store()
+        self.step, self.phase, self.deadline = 0, 0, None
+        self.lock = threading.Lock()
+        threading.Thread(target=self.watch, name="hang-watchdog", daemon=True).start()
+
+    def at(self, step: int, phase: int, armed: bool) -> None:
+        """Progress: this rank is at `step`, `PHASES[phase]`; `armed`: the step is timed from now."""
+        with self.lock:
+            self.step, self.phase = step, phase
+            if armed:
+                self.deadline = time.monotonic() + self.timeout
+            elif phase == len(PHASES) - 1:
+                self.deadline = None
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self.lock:
+                fired = self.deadline is not None and time.monotonic() > self.deadline
+                step, phase = self.step, self.phase
+            if fired:
+                self.report(step, phase)
+
+    def report(self, step: int, phase: int) -> None:
+        """Stack to disk, progress to the store, wait a little for the others', one line, exit 1."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / f"rank{self.rank}.txt", "w") as f:
+            f.write(f"rank {self.rank} ({self.hosts[self.rank]}), step {step}, {PHASES[phase]}\n")
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self.store.set(f"titanlite/hang/{self.rank}", f"{step} {phase}")
+        progress = {}
+        give_up = time.monotonic() + 10
+        while time.monotonic() < give_up and len(progress) < len(self.hosts):
+            for r in range(len(self.hosts)):
+                key = f"titanlite/hang/{r}"
+                if r not in progress and self.store.check([key]):
+                    progress[r] = tuple(int(x) for x in self.store.get(key).decode().split())
+            time.sleep(0.2)
+        silent = [r for r in range(len(self.hosts)) if r not in progress]
+        least = min(progress.values())
+        behind = [r for r, p in sorted(progress.items()) if p == least and least < max(progress.values())]
+        named = ", ".join(f"rank {r} ({self.hosts[r]})" for r in behind + silent)
+        where = (f"{named} did not reach what the others did (furthest behind: step {least[0]}, {PHASES[least[1]]}"
+                 + (f"; {len(silent)} never answered" if silent else "") + ")") if named else \
+            f"every rank was at step {least[0]}, {PHASES[least[1]]}: the hang is inside it (a collective or the device)"
+        message = (f"titanlite: step {step} ran past comm.train_timeout_seconds={self.timeout}: {where}; every rank's "
+                   f"stack is in {self.folder}; exiting so that the launcher restarts the run")
+        if not write_error(message, 1):
+            print(message, file=sys.stderr, flush=True)
+        time.sleep(2 if self.rank else 5)  # rank 0 may hold the store: it leaves last
+        os._exit(1)
