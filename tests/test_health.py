@@ -43,6 +43,28 @@ def test_a_spike_is_named_by_rank_and_its_update_skipped(corpus_jsonl, tmp_path)
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
+def test_a_resumed_run_checks_against_the_saved_history(corpus_jsonl, tmp_path):
+    """A spike at step 8 against a window of 10 (checks from 5 steps of history): the straight run skips
+    it, and so does a run resumed at step 6, whose 2 steps alone would not be enough to check."""
+    def run(folder, steps, *extra):
+        args = tiny_args(corpus_jsonl, folder, "--training.steps", str(steps), "--health.spike_window", "10",
+                         "--checkpoint.enable", "--checkpoint.interval", "6", "--lr_scheduler.decay_ratio", "0",
+                         "--training.data_split", "sequences", "--fault_injection.kind", "spike_batch",
+                         "--fault_injection.step", "8", *extra)
+        out = torchrun(1, folder, *args)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    straight = run(tmp_path / "straight", 10)
+    run(tmp_path / "resumed", 6)
+    resumed = run(tmp_path / "resumed", 10)
+    assert "loaded checkpoint" in resumed.stdout
+    for out in (straight, resumed):
+        assert "a spike at step 8: optimizer step skipped" in out.stdout, out.stdout[-2000:]
+    losses = lambda folder: [r["loss"] for r in rows(folder) if "loss" in r]
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+
+
 def test_a_flipped_bit_that_makes_the_grad_norm_infinite_is_named_and_skipped(corpus_jsonl, tmp_path):
     """Bit 30 (the exponent's top) of rank 1's largest gradient element: the grad norm overflows. The
     step is named by rank and, with training.skip_nonfinite_steps, skipped."""
@@ -52,6 +74,21 @@ def test_a_flipped_bit_that_makes_the_grad_norm_infinite_is_named_and_skipped(co
     assert out.returncode == 0, out.stderr[-3000:]
     assert set(re.findall(r"step (\d+): not finite: grad_norm is inf; rank (\d) \(", out.stdout)) == {("5", "1")}, out.stdout[-3000:]
     assert "grad norm is inf at step 5: optimizer step skipped" in out.stdout
+    assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
+
+
+def test_a_flipped_weight_in_one_replica_is_found_and_healed(corpus_jsonl, tmp_path):
+    """HSDP 2 x 2: bit 30 of a weight on rank 3 (replica 1) after step 3's update; the check of step 4
+    names rank 3 and sends it replica 0's weights; the check of step 6 finds the replicas equal, and the
+    run ends with finite losses."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "6", "--health.replica_check_interval", "2",
+                     "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                     "--fault_injection.kind", "bitflip_param", "--fault_injection.step", "3", "--fault_injection.rank", "3")
+    out = torchrun(4, tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    healed = set(re.findall(r"step (\d+): rank (\d) \([^)]*\) held weights that differ from its replicas'.*healed from rank (\d)", out.stdout))
+    assert healed == {("4", "3", "1")}, out.stdout[-3000:]
+    assert [r["health_replica_healed_rank"] for r in rows(tmp_path) if "health_replica_healed_rank" in r] == [3.0]
     assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
 
 

@@ -1,7 +1,8 @@
 """A long run's guards ([health]): loss spikes, stragglers and hangs, each found and named by rank.
 
 - `SpikeGuard`: a step whose loss or grad norm is past mean + k std of the last `spike_window` good
-  steps (the global values: every rank decides alike) is skipped (no optimizer update, as OLMo-core
+  steps (the global values: every rank decides alike; under torchft the grad norm alone, the one
+  value every replica group shares) is skipped (no optimizer update, as OLMo-core
   does) or only named. The rank whose part of the loss is largest is named with it. Non-finite grad
   norms stay training.skip_nonfinite_steps' (skip) or stop the run.
 - `Stragglers`: every `straggler_interval` steps each rank's arrival at the step's start (after its
@@ -59,6 +60,8 @@ class SpikeGuard:
             return False
         loss = trainer.reduce_loss(local_loss.detach().clone())
         values = dict(zip(("loss", "grad_norm"), torch.stack([loss.float(), grad_norm.float()]).tolist()))  # one read
+        if trainer.ft:  # each replica group's loss is its own batch's; the grad norm, synced, is every group's
+            values.pop("loss")
         finite = all(math.isfinite(v) for v in values.values())
         found = self.far_above(values) if finite else [f"{n} is {v}" for n, v in values.items() if not math.isfinite(v)]
         if not found:
@@ -72,9 +75,18 @@ class SpikeGuard:
         self.spikes += 1
         action = "skipped" if self.policy == "skip" else "kept (health.spike_policy = warn)"
         self.metrics.log_event(trainer.step, {"health_spike": 1.0, "health_spike_rank": float(worst)},
-                               f"step {trainer.step}: spike: {'; '.join(found)} (window of {len(self.history['loss'])} "
+                               f"step {trainer.step}: spike: {'; '.join(found)} (window of {len(self.history['grad_norm'])} "
                                f"steps); {named}; update {action}")
         return self.policy == "skip"
+
+    def state(self) -> dict[str, list[float]]:
+        return {name: list(values) for name, values in self.history.items()}
+
+    def load(self, saved: dict[str, list[float]]) -> None:
+        """A resumed run checks against the history the saved run had (a resume stays exact)."""
+        for name, values in saved.items():
+            self.history[name].clear()
+            self.history[name].extend(values)
 
     def far_above(self, values: dict[str, float]) -> list[str]:
         """What is past its window's mean + k std; the history takes the values when none is."""
@@ -139,6 +151,64 @@ class Stragglers:
                                        f"step {step}: straggler: rank {rank} ({self.hosts[rank]}) reached the step {late:.2f} s after "
                                        f"the median rank ({100 * late / median_step:.0f}% of the median step time of "
                                        f"{median_step:.2f} s), {self.checks} checks in a row")
+
+
+class ReplicaCheck:
+    """Under HSDP or DDP the replicas' weights are the same bits. Every `replica_check_interval` steps
+    each rank sums the bits of each of its pieces (as integers: any flip shows) and the sums are
+    compared across its replica group. A rank that differs from the majority is named; with 2
+    replicas there is no majority, and replica 0 is taken for the healthy one (said in the line). Then
+    `heal`: every weight is sent from a healthy replica (the optimizer's state is left as it is, the
+    same on all of them when only weights flipped); or `stop`: one line, exit 1."""
+
+    def __init__(self, config, dims, metrics, hosts: list[str]):
+        h = config.health
+        self.interval, self.action, self.metrics, self.hosts = h.replica_check_interval, h.replica_check_action, metrics, hosts
+        mesh = dims.get_mesh("dp_replicate") if dims.dp_replicate > 1 and self.interval else None
+        self.group, self.ranks = (mesh.get_group(), dist.get_process_group_ranks(mesh.get_group())) if mesh else (None, [])
+
+    def check(self, step: int, params) -> None:
+        """On check steps: compare, name, heal or stop. Collective over each replica group."""
+        if self.group is None or step % self.interval:
+            return
+        sums = torch.stack([bits_sum(local(p.detach())) for p in params])
+        every = [torch.zeros_like(sums) for _ in self.ranks]
+        dist.all_gather(every, sums, group=self.group)
+        votes = {}
+        for i, sums_of_replica in enumerate(every):
+            votes.setdefault(tuple(sums_of_replica.tolist()), []).append(i)
+        healthy = max(votes.values(), key=lambda members: (len(members), -members[0]))  # the majority; a tie: the lowest replica
+        tie = len(votes) > 1 and sum(len(m) == len(healthy) for m in votes.values()) > 1
+        me = self.ranks.index(dist.get_rank())
+        # Every rank learns every group's finding (one all-gather over the world): the line and the metrics
+        # come from rank 0 too. Per rank: whether it differs, the healthy rank it takes its weights from.
+        mine = torch.tensor([float(me not in healthy), float(self.ranks[healthy[0]]), float(tie)], dtype=torch.float64)
+        found = [torch.zeros_like(mine) for _ in self.hosts]
+        dist.all_gather(found, mine)
+        bad = [(r, int(f[1]), bool(f[2])) for r, f in enumerate(found) if f[0]]
+        if not bad:
+            return
+        named = ", ".join(f"rank {r} ({self.hosts[r]})" for r, _, _ in bad)
+        why = " (2 replicas, no majority: replica 0's taken for the healthy one)" if any(t for _, _, t in bad) else ""
+        if self.action == "stop":
+            raise ReplicaDiverged(f"step {step}: {named} holds weights that differ from its replicas'{why}; training stopped "
+                                  "(health.replica_check_action = heal sends the healthy weights instead)")
+        if len(votes) > 1:  # this replica group differs: its healthy replica sends every weight
+            for p in params:
+                dist.broadcast(local(p.detach()), group=self.group, group_src=healthy[0])
+        sources = ", ".join(sorted({f"rank {src}" for _, src, _ in bad}))
+        self.metrics.log_event(step, {"health_replica_healed_rank": float(bad[0][0])},
+                               f"step {step}: {named} held weights that differ from its replicas'{why}; healed from {sources}")
+
+
+class ReplicaDiverged(RuntimeError):
+    """A replica's weights differ from the others' and replica_check_action = stop: one line, exit 1."""
+
+
+def bits_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor's bits read as integers of its width: equal tensors give equal sums, a flip changes it."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(ints).sum(dtype=torch.int64) if t.numel() else torch.zeros((), dtype=torch.int64, device=t.device)
 
 
 class HangWatchdog:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from titanlite.config import JobConfig, parse_args
 from titanlite.errors import ConfigError
 from titanlite.fault_tolerance import FaultToleranceFailed
-from titanlite.health import GRACE, HangWatchdog, Stragglers
+from titanlite.health import GRACE, HangWatchdog, ReplicaCheck, ReplicaDiverged, Stragglers
 from titanlite.metrics import log_line
 from titanlite import preflight
 from titanlite.profiling import Profiler
@@ -164,6 +164,7 @@ def train(trainer: Trainer) -> None:
     trainer.profiler = Profiler(trainer.config, dist.get_rank(), trainer.device)
     redo = False  # the last step did not commit (fault tolerance): its batch again
     stragglers = Stragglers(trainer.config, trainer.metrics, trainer.hosts)
+    replicas = ReplicaCheck(trainer.config, trainer.dims, trainer.metrics, trainer.hosts)
     watchdog = HangWatchdog(trainer.config, dist.get_rank(), trainer.hosts) if trainer.config.health.hang_watchdog else None
     trained = 0  # steps this process trained (not a resumed run's, not those of a peer it healed from)
     while trainer.step < t.steps:
@@ -185,6 +186,7 @@ def train(trainer: Trainer) -> None:
         step_start = time.perf_counter()
         local_loss, grad_norm = trainer.train_step(microbatches)
         trainer.injector.after_step(trainer.step, trainer.parameters())
+        replicas.check(trainer.step, trainer.parameters())
         redo = trainer.ft is not None and not trainer.ft.committed
         if redo:
             log_line(f"step {trainer.step} not committed (a replica group failed or healed in it): redone with the same batch")
@@ -292,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         code = report(f"titanlite: config error: {e}", 2)
     except FaultToleranceFailed as e:
+        code = report(f"titanlite: {e}", 1)
+    except ReplicaDiverged as e:
         code = report(f"titanlite: {e}", 1)
     except TrainingDiverged as e:
         if trainer is not None:

@@ -157,7 +157,8 @@ class Checkpointer:
             return {"model": model_state(t.model_parts, dtype if dtype != torch.float32 else None)}
         workers = t.config.training.dataloader.num_workers
         loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict(), "step": t.step,
-                  "token_files": isinstance(t.dataloader.dataset, MixedWindows), "sample": t.samples_read}
+                  "token_files": isinstance(t.dataloader.dataset, MixedWindows), "sample": t.samples_read,
+                  "spike_history": t.spikes.state() if t.spikes else None}  # the same on every rank
         if data_only:
             return {"dataloader": {f"dp{t.dp_rank}": json_tensor(loader)}}
         train = {
@@ -423,6 +424,8 @@ class Checkpointer:
         t = self.trainer
         states = {int(k[2:]): tensor_json(v) for k, v in saved.items()}
         saved_state = next(iter(states.values()))
+        if t.spikes and saved_state.get("spike_history"):
+            t.spikes.load(saved_state["spike_history"])
         old_degree, old_workers = saved_state["dp_degree"], saved_state["num_workers"]
         workers = t.config.training.dataloader.num_workers
         tokens = isinstance(t.dataloader.dataset, MixedWindows)

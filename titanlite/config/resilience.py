@@ -47,6 +47,14 @@ class Health:
     )
     straggler_percent: float = opt(20.0, "a rank later than the median by this share of the median step time ...", extension=True)
     straggler_checks: int = opt(3, "... in this many checks in a row is named", extension=True)
+    replica_check_interval: int = opt(
+        100, "under HSDP or DDP: every N steps each rank's checksum of its weights' bits is compared across its "
+        "replicas (one all-gather of a number per parameter); 0 = off", extension=True,
+    )
+    replica_check_action: str = opt(
+        "heal", "a replica that differs: named, then heal (the weights sent from a healthy replica) or stop (one line, exit 1)",
+        choices=("heal", "stop"), extension=True,
+    )
     hang_watchdog: bool = opt(
         True, "a step past comm.train_timeout_seconds: every rank's Python stack to dump_folder/hang, the ranks "
         "behind named, exit 1 (torchrun or torchft restarts)", extension=True,

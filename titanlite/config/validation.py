@@ -168,6 +168,7 @@ def validate(config: JobConfig) -> None:
     _require(h.spike_sigmas > 0, f"health.spike_sigmas={h.spike_sigmas} must be > 0 (standard deviations above the mean)")
     _require(h.straggler_interval >= 0, f"health.straggler_interval={h.straggler_interval} must be >= 0 (0 = off)")
     _require(h.straggler_percent > 0, f"health.straggler_percent={h.straggler_percent} must be > 0")
+    _require(h.replica_check_interval >= 0, f"health.replica_check_interval={h.replica_check_interval} must be >= 0 (0 = off)")
     _require(h.straggler_checks >= 1, f"health.straggler_checks={h.straggler_checks} must be >= 1")
     _require(injection.step >= 1 and injection.steps >= 1, f"fault_injection.step={injection.step} and steps={injection.steps} must be >= 1")
     _require(injection.seconds >= 0, f"fault_injection.seconds={injection.seconds} must be >= 0")
