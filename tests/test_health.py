@@ -43,6 +43,36 @@ def test_a_spike_is_named_by_rank_and_its_update_skipped(corpus_jsonl, tmp_path)
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
+def guard_decisions() -> tuple[list[bool], list[str]]:
+    """SpikeGuard on one gloo rank over a made-up run: a steady loss, then a jump that stays."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from titanlite.config import parse_args
+    from titanlite.health import SpikeGuard
+
+    events = []
+    guard = SpikeGuard(parse_args(["--health.spike_window", "6"]), SimpleNamespace(log_event=lambda s, row, line: events.append(line)), ["h"])
+    trainer = SimpleNamespace(reduce_loss=lambda loss: loss, parameters=lambda: [], ft=None, step=0)
+    decisions = []
+    run = [(5.0, 1.0), (4.9, 1.1), (5.1, 0.9), (5.0, 1.0), (4.95, 1.05), (5.05, 0.95), (50.0, 1.0), (50.0, 1.0), (50.0, 1.0), (50.1, 1.0)]
+    for step, (loss, norm) in enumerate(run, 1):
+        trainer.step = step
+        decisions.append(guard.skips(trainer, torch.tensor(loss), torch.tensor(norm)))
+    return decisions, events
+
+
+def test_a_jump_that_stays_is_a_new_level_not_a_run_of_spikes():
+    """Steps 7 and 8 are skipped; the third in a row is taken for where the run is now: kept, and the
+    values join the history, so the guard does not skip every step after a lasting shift."""
+    from distributed import run_distributed
+
+    decisions, events = run_distributed(guard_decisions, 1)[0]
+    assert decisions == [False] * 6 + [True, True, False, False], (decisions, events)
+    assert "taken for a new level" in events[2] and len(events) == 3, events
+
+
 def test_a_resumed_run_checks_against_the_saved_history(corpus_jsonl, tmp_path):
     """A spike at step 8 against a window of 10 (checks from 5 steps of history): the straight run skips
     it, and so does a run resumed at step 6, whose 2 steps alone would not be enough to check."""

@@ -88,6 +88,20 @@ def test_a_clipped_head_has_the_threshold_as_its_largest_logit_and_nothing_else_
         assert torch.equal(wkv_b[:, a.qk_nope_head_dim:], start["layers.0.attention.wkv_b.weight"].view_as(wkv_b)[:, a.qk_nope_head_dim:])
 
 
+def test_a_head_that_saw_nothing_or_only_negative_logits_is_left_alone():
+    """Largest logits of -inf (no training forward) or below 0 are not past any threshold: no row moves."""
+    from titanlite.optim.qk_clip import QKClip
+
+    model, plan = one_block("mha")
+    clip = QKClip(model, plan.qk_clip_rows(model.args), threshold=1.0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    core = model.layers["0"].attention.inner_attention
+    clip.clip()  # -inf: nothing seen
+    core.max_logits.copy_(torch.linspace(-3.0, -0.5, core.max_logits.numel()))
+    clip.clip()
+    assert clip.clipped == 0 and all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+
+
 @pytest.mark.parametrize("args, words", [
     (["--optimizer.qk_clip_threshold", "-1"], "optimizer.qk_clip_threshold=-1.0 must be >= 0"),
     (["--optimizer.name", "AdamW", "--optimizer.qk_clip_threshold", "100"], "QK-clip is MuonClip's"),

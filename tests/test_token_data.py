@@ -227,7 +227,7 @@ def test_the_data_position_survives_a_change_of_data_parallel_degree(sources):
                  "--training.dataloader.num_workers", "1")  # and from 0 loader workers to 1
     resumed = []
     for rank in range(4):
-        trainer = SimpleNamespace(config=cfg, dp_rank=rank, dp_degree=4, dataloader=loader(cfg, rank, 4), samples_read=0)
+        trainer = SimpleNamespace(config=cfg, dp_rank=rank, dp_degree=4, dataloader=loader(cfg, rank, 4), samples_read=0, spikes=None)
         Checkpointer.load_dataloader(SimpleNamespace(trainer=trainer), saved)
         resumed.append(trainer.dataloader)
     iterators = [iter(l) for l in resumed]

@@ -36,6 +36,7 @@ from titanlite.metrics import log_line
 from titanlite.torchrun import write_error
 
 GRACE = 60  # seconds the collectives wait beyond the watchdog's deadline
+LEVEL_SHIFT = 3  # spikes in a row taken for a new level of the loss or grad norm, not a spike
 PHASES = ("at the step's start (its batch, its own work)", "in the step (forward, backward, optimizer)", "done with the step")
 
 
@@ -49,9 +50,11 @@ def hosts() -> list[str]:
 class SpikeGuard:
     def __init__(self, config, metrics, hosts: list[str]):
         h = config.health
-        self.policy, self.window, self.sigmas, self.metrics, self.hosts = h.spike_policy, h.spike_window, h.spike_sigmas, metrics, hosts
+        self.window, self.sigmas, self.metrics, self.hosts = h.spike_window, h.spike_sigmas, metrics, hosts
+        # Under torchft each group would skip by its own history (a healed group's is empty): named, never skipped.
+        self.policy = "warn" if h.spike_policy == "skip" and config.fault_tolerance.enable else h.spike_policy
         self.history = {"loss": deque(maxlen=self.window), "grad_norm": deque(maxlen=self.window)}
-        self.spikes = 0
+        self.spikes, self.in_a_row = 0, 0
 
     def skips(self, trainer, local_loss: torch.Tensor | None, grad_norm: torch.Tensor) -> bool:
         """Whether this step's update is to be skipped (a spike under policy skip). Collective: every rank
@@ -73,11 +76,18 @@ class SpikeGuard:
                                    f"step {trainer.step}: not finite: {'; '.join(found)}; {named}")
             return False
         self.spikes += 1
-        action = "skipped" if self.policy == "skip" else "kept (health.spike_policy = warn)"
+        self.in_a_row += 1
+        new_level = self.in_a_row >= LEVEL_SHIFT
+        if new_level:  # not a spike but where the run is now: its values join the history
+            for name, value in values.items():
+                self.history[name].append(value)
+        skip = self.policy == "skip" and not new_level
+        action = ("skipped" if skip else f"kept ({LEVEL_SHIFT} in a row: taken for a new level)" if new_level
+                  else "kept (health.spike_policy = warn, or under fault tolerance)")
         self.metrics.log_event(trainer.step, {"health_spike": 1.0, "health_spike_rank": float(worst)},
                                f"step {trainer.step}: spike: {'; '.join(found)} (window of {len(self.history['grad_norm'])} "
                                f"steps); {named}; update {action}")
-        return self.policy == "skip"
+        return skip
 
     def state(self) -> dict[str, list[float]]:
         return {name: list(values) for name, values in self.history.items()}
@@ -98,6 +108,7 @@ class SpikeGuard:
                 if value > mean + self.sigmas * std:
                     found.append(f"{name} {value:.4g} is past {mean:.4g} + {self.sigmas:g} x {std:.4g}")
         if not found:
+            self.in_a_row = 0
             for name, value in values.items():
                 self.history[name].append(value)
         return found
@@ -106,7 +117,8 @@ class SpikeGuard:
         """The rank with the largest part of the loss (a poisoned batch), else of the gradients' squares (a
         flipped bit: each rank's own pieces; FSDP's are reduced over the batch already). One all-gather."""
         grads = [local(p.grad).float().square().sum() for p in trainer.parameters() if p.grad is not None]
-        mine = torch.stack([local_loss.detach().float().reshape(()), torch.stack(grads).sum() if grads else local_loss.new_zeros(())])
+        squares = torch.stack(grads).sum().to(local_loss.device) if grads else local_loss.new_zeros(())  # grads may be offloaded
+        mine = torch.stack([local_loss.detach().float().reshape(()), squares])
         parts = [torch.zeros_like(mine) for _ in self.hosts]
         dist.all_gather(parts, mine)
         column = [part[0 if by_loss else 1].item() for part in parts]
@@ -138,7 +150,7 @@ class Stragglers:
             return
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        mine = torch.tensor([self.arrived, time.perf_counter() - step_start], dtype=torch.float64)
+        mine = torch.tensor([self.arrived, time.perf_counter() - step_start], dtype=torch.float64, device=device)  # nccl: on the GPU
         every = [torch.zeros_like(mine) for _ in self.hosts]
         dist.all_gather(every, mine)
         arrivals = [float(t[0]) for t in every]
@@ -182,7 +194,8 @@ class ReplicaCheck:
         me = self.ranks.index(dist.get_rank())
         # Every rank learns every group's finding (one all-gather over the world): the line and the metrics
         # come from rank 0 too. Per rank: whether it differs, the healthy rank it takes its weights from.
-        mine = torch.tensor([float(me not in healthy), float(self.ranks[healthy[0]]), float(tie)], dtype=torch.float64)
+        mine = torch.tensor([float(me not in healthy), float(self.ranks[healthy[0]]), float(tie)], dtype=torch.float64,
+                            device=sums.device)
         found = [torch.zeros_like(mine) for _ in self.hosts]
         dist.all_gather(found, mine)
         bad = [(r, int(f[1]), bool(f[2])) for r, f in enumerate(found) if f[0]]
@@ -239,7 +252,13 @@ class HangWatchdog:
                 self.report(step, phase)
 
     def report(self, step: int, phase: int) -> None:
-        """Stack to disk, progress to the store, wait a little for the others', one line, exit 1."""
+        """Stack to disk, progress to the store, wait a little for the others', one line, exit 1 (whatever fails)."""
+        try:
+            self.tell(step, phase)
+        finally:
+            os._exit(1)
+
+    def tell(self, step: int, phase: int) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / f"rank{self.rank}.txt", "w") as f:
             f.write(f"rank {self.rank} ({self.hosts[self.rank]}), step {step}, {PHASES[phase]}\n")
@@ -265,4 +284,3 @@ class HangWatchdog:
         if not write_error(message, 1):
             print(message, file=sys.stderr, flush=True)
         time.sleep(2 if self.rank else 5)  # rank 0 may hold the store: it leaves last
-        os._exit(1)

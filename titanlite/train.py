@@ -205,7 +205,7 @@ def train(trainer: Trainer) -> None:
             loss = trainer.global_loss(local_loss)
             trainer.check_finite(loss)
             lr = trainer.lr_schedulers[0].get_last_lr()[0]
-            skipped = trainer.skipped_steps if t.skip_nonfinite_steps else None
+            skipped = trainer.skipped_steps if t.skip_nonfinite_steps or trainer.spikes else None
             trainer.metrics.log(trainer.step, loss, grad_norm.item(), lr, trainer.tokens_seen, skipped, trainer.step_extras())
         if watchdog:
             watchdog.at(trainer.step, 2, armed=False)  # validation and checkpoints are not timed

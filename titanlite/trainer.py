@@ -357,6 +357,8 @@ class Trainer:
             if commit and not skip:
                 opt.step()
                 scheduler.step()
+            elif getattr(opt, "qk_clip", None):
+                opt.qk_clip.reset()  # the skipped batch's logits do not count
             opt.zero_grad(set_to_none=True)
         if balance is not None:
             self.move_expert_bias(balance, finite, commit and not skip)

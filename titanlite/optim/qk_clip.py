@@ -50,14 +50,21 @@ class QKClip:
         if self.group is not None:
             dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=self.group)
         group_size = self.heads // self.kv_heads
-        gammas = (self.threshold / logits.view(len(cores), -1, group_size).amax(dim=2)).clamp(max=1.0)
-        for attention, local, core in zip(self.attentions, gammas.repeat_interleave(group_size, dim=1), cores):
-            core.max_logits.fill_(-torch.inf)
-            if bool((local < 1).any()):
-                self.clipped += int((local < 1).sum()) // group_size
-                gamma = torch.ones(self.heads, device=local.device)
-                gamma[self.first_head:self.first_head + self.local_heads] = local  # the other tp ranks' heads are theirs
+        largest = logits.view(len(cores), -1, group_size).amax(dim=2)
+        # Only a group whose largest logit passed tau (never one that saw nothing, -inf, nor a NaN)
+        gammas = torch.where(largest > self.threshold, self.threshold / largest, torch.ones_like(largest))
+        self.reset()
+        for attention, mine, clipped in zip(self.attentions, gammas.repeat_interleave(group_size, dim=1), (gammas < 1).sum(dim=1).tolist()):
+            if clipped:
+                self.clipped += clipped
+                gamma = torch.ones(self.heads, device=mine.device)
+                gamma[self.first_head:self.first_head + self.local_heads] = mine  # the other tp ranks' heads are theirs
                 self.scale(attention, gamma)
+
+    def reset(self) -> None:
+        """The next step starts afresh (also after a step whose update was skipped: its logits do not count)."""
+        for attention in self.attentions:
+            attention.inner_attention.max_logits.fill_(-torch.inf)
 
     def scale(self, attention: nn.Module, gamma: torch.Tensor) -> None:
         for name, (groups, blocks) in self.rows.items():

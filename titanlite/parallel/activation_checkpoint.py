@@ -99,6 +99,8 @@ def ignore_profiler_annotations() -> None:
 
 
 def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
+    if not torch.is_grad_enabled():  # what a forward computes aside (QK-clip's largest logits) is kept by no one
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

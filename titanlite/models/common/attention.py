@@ -81,15 +81,16 @@ class CoreAttention(nn.Module):
     """q (batch, heads, seq, head_dim); k, v with n_kv_heads heads (GQA shares each among the query
     heads in order). No parameters: swapping it (context parallel) leaves checkpoints unchanged.
     `max_logits` (QK-clip sets it: one per query head) keeps the largest logit each head has seen in
-    training forwards (validation's run without grad). A buffer, not saved: the forward a pipeline
-    stage runs to learn its shapes, on activations nothing wrote, leaves buffers as they were."""
+    training forwards (validation's run without grad; activation checkpointing's recompute, inside
+    backward, has seen them already). A buffer, not saved: the forward a pipeline stage runs to learn
+    its shapes, on activations nothing wrote, leaves buffers as they were."""
 
     def __init__(self):
         super().__init__()
         self.register_buffer("max_logits", None, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
-        if self.max_logits is not None and torch.is_grad_enabled():
+        if self.max_logits is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 self.max_logits.copy_(torch.maximum(self.max_logits, largest_logits(q, k, mask)))
         if mask is not None and mask.block_mask is not None:
