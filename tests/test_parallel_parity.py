@@ -363,6 +363,7 @@ def cases(matrix: dict, extended: bool) -> dict:
     pytest.param(4, FOUR_RANKS, True, marks=pytest.mark.full, id="four_ranks_extended"),
     pytest.param(8, CASES_8, True, marks=pytest.mark.full, id="eight_ranks_extended"),
 ])
+@pytest.mark.timeout(1800)  # its launch's own limit (1500 s) speaks first
 def test_parity(world, matrix, extended, corpus_jsonl, tmp_path):
     # A whole matrix in one launch: 4 ranks x the extended cases took 519 s on 2 busy cores.
     check(run_distributed(run_cases, world, str(corpus_jsonl), str(tmp_path), cases(matrix, extended), timeout=1500))
