@@ -41,6 +41,59 @@ def test_a_spike_is_named_by_rank_and_its_update_skipped(corpus_jsonl, tmp_path)
     assert [r["health_spike_rank"] for r in logged if "health_spike" in r] == [1.0]
     losses = [r["loss"] for r in logged if "loss" in r]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    from titanlite.goodput import read
+
+    end = read(tmp_path)[-1]  # goodput counts the skipped step apart from the 9 kept
+    assert (end["event"], end["steps"], end["skipped_steps"]) == ("end", 9, 1) and end["skipped_s"] > 0
+
+
+def test_a_rolled_back_spike_ends_as_a_run_that_skipped_its_batches_from_the_start(corpus_jsonl, tmp_path):
+    """FSDP 2, a checkpoint every 3 steps: rank 1's batch 9 spikes; the run rolls back past the 4
+    batches that led into it (6-9) to step 3's checkpoint (step 6's, trained on batch 6, set aside), and
+    from there logs, step for step, what a run told from the start to skip batches 6-9 logs, bitwise."""
+    common = ["--training.steps", "12", "--health.spike_window", "6", "--health.spike_policy", "rollback",
+              "--health.rollback_batches", "4", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    rolled, told = tmp_path / "rolled", tmp_path / "told"
+    out = torchrun(2, rolled, *tiny_args(corpus_jsonl, rolled, *common, "--fault_injection.kind", "spike_batch",
+                                         "--fault_injection.step", "9", "--fault_injection.rank", "1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("step 9: rolled back to checkpoint step-3; batches 6-9 skipped from now on (to repeat this run from the "
+            "start: --health.skip_batches 6-9)") in out.stdout, out.stdout[-3000:]
+    assert (rolled / "checkpoint" / "step-6.rolled_back").is_dir()
+    out = torchrun(2, told, *tiny_args(corpus_jsonl, told, *common, "--health.skip_batches", "6-9"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = [r for r in rows(rolled) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 10)) + list(range(4, 13))
+    final = {r["step"]: r for r in logged}  # the rows after the rollback replace those before it
+    keys = ("loss", "grad_norm", "lr", "tokens_seen")
+    expected = [[r[k] for k in keys] for r in rows(told) if "loss" in r]
+    assert [[final[s][k] for k in keys] for s in range(1, 13)] == expected
+    assert logged[5]["loss"] != final[6]["loss"]  # step 6 trained on batch 6 before, on batch 10 after
+    assert all(math.isfinite(r["loss"]) for r in logged)
+    from titanlite.goodput import read, report
+
+    summary = report(read(rolled))  # steps 4-8 lost, step 9 skipped, each of the 12 final steps kept once
+    assert (summary["attempts"], summary["kept_steps"], summary["lost_steps"]) == (2, 12, 5), summary
+    # A spike that rollbacks do not cure stops the run: here no rollback is allowed at all.
+    stopped = tmp_path / "stopped"
+    out = torchrun(2, stopped, *tiny_args(corpus_jsonl, stopped, *common, "--health.max_rollbacks", "0",
+                                          "--fault_injection.kind", "spike_batch", "--fault_injection.step", "9",
+                                          "--fault_injection.rank", "1"))
+    assert out.returncode == 1 and "titanlite: step 9: a spike after 0 rollbacks (health.max_rollbacks)" in out.stderr, out.stderr[-3000:]
+
+
+def test_skipped_batches_are_drawn_and_dropped_and_counted():
+    from types import SimpleNamespace
+
+    from titanlite.config import parse_args
+    from titanlite.rollback import Batches, ranges
+
+    batches = Batches(parse_args(["--health.skip_batches", "2-3,6"]))
+    data = iter(range(1, 100))
+    trainer = SimpleNamespace(next_microbatches=lambda it: next(it))
+    assert [batches.next(trainer, data) for _ in range(4)] == [1, 4, 5, 7]
+    assert batches.drawn == 7 and [batches.drawn_by(s) for s in range(5)] == [0, 1, 4, 5, 7]
+    assert ranges({6, 7, 8, 9, 120, 122, 123}) == "6-9,120,122-123"
 
 
 def guard_decisions() -> tuple[list[bool], list[str]]:
@@ -151,12 +204,24 @@ def test_a_hung_rank_is_named_its_stacks_written_and_the_restart_resumes(corpus_
     assert "before_step" in (tmp_path / "hang" / "rank1.txt").read_text()  # the hung rank's own frame
     assert "loaded checkpoint" in out.stdout and "done: 6 steps" in out.stdout
     assert time.monotonic() - start < 10 + 30 + 90  # the hang's exit, and two attempts' start-up and steps
+    # Goodput: step 3 was trained twice; the hang's 10 s and the restart were down; each of the final
+    # model's 6 steps counts once.
+    from titanlite.goodput import read, report
+
+    summary = report(read(tmp_path))
+    assert [r["step"] for r in read(tmp_path) if r["event"] == "start"] == [0, 2]
+    assert (summary["attempts"], summary["kept_steps"], summary["lost_steps"], summary["ended"]) == (2, 6, 1, True)
+    assert summary["parts"]["down_s"] > 10 and 0 < summary["goodput"] < 1
+    assert all(v >= 0 for v in summary["parts"].values()), summary  # `other` too: nothing counted twice
+    assert f"goodput {100 * summary['goodput']:.1f}% of {summary['wall_s']:.1f}s over 2 attempt(s), 1 step(s) lost" in out.stdout
 
 
 @pytest.mark.parametrize("flag, value, words", [
     ("--health.spike_window", "0", "health.spike_window=0 must be >= 2"),
     ("--health.spike_sigmas", "-1", "health.spike_sigmas=-1.0 must be > 0"),
-    ("--health.spike_policy", "rollback", "not built yet"),
+    ("--health.spike_policy", "rollback", "health.spike_policy='rollback' with checkpoint.enable=false"),
+    ("--health.skip_batches", "9-8", "health.skip_batches entry '9-8' is not a batch"),
+    ("--health.rollback_batches", "0", "health.rollback_batches=0 must be >= 1"),
     ("--fault_injection.bit", "32", "fault_injection.bit=32 must be a bit of a float32"),
 ])
 def test_bad_health_settings_are_one_line(flag, value, words):

@@ -217,6 +217,7 @@ def test_the_data_position_survives_a_change_of_data_parallel_degree(sources):
     2, one worker each) through the checkpointer's own loader restore: the global sequence goes on as
     1 process reads it, no sample repeated or skipped."""
     from titanlite.checkpoint.checkpointer import Checkpointer, json_tensor
+    from titanlite.rollback import Batches
 
     mixture = "0.5 {web},0.3 {code},0.2 {math}".format(**sources)
     reference, _ = global_rows(config("--training.dataset_mixture", mixture, "--training.local_batch_size", "8"), 1, 6)
@@ -227,7 +228,8 @@ def test_the_data_position_survives_a_change_of_data_parallel_degree(sources):
                  "--training.dataloader.num_workers", "1")  # and from 0 loader workers to 1
     resumed = []
     for rank in range(4):
-        trainer = SimpleNamespace(config=cfg, dp_rank=rank, dp_degree=4, dataloader=loader(cfg, rank, 4), samples_read=0, spikes=None)
+        trainer = SimpleNamespace(config=cfg, dp_rank=rank, dp_degree=4, dataloader=loader(cfg, rank, 4), samples_read=0, spikes=None,
+                                  batches=Batches(cfg), step=3)
         Checkpointer.load_dataloader(SimpleNamespace(trainer=trainer), saved)
         resumed.append(trainer.dataloader)
     iterators = [iter(l) for l in resumed]

@@ -53,7 +53,8 @@ def _batch(trainer, rows: int = 2):
 
 def _nonfinite_grad(dataset: str, folder: str, overrides: list[str]) -> list:
     from titanlite.config import parse_args
-    from titanlite.trainer import Trainer, TrainingDiverged
+    from titanlite.errors import TrainingDiverged
+    from titanlite.trainer import Trainer
 
     trainer = Trainer(parse_args(tiny_args(dataset, folder, *overrides)), torch.device("cpu"))
     outcomes = []
@@ -105,7 +106,8 @@ def test_skip_nonfinite_steps_skips_and_counts_up_to_its_limit(one_rank):
 def _diverge_at_step_3(dataset: str, folder: str) -> dict:
     from titanlite.config import parse_args
     from titanlite.train import train
-    from titanlite.trainer import Trainer, TrainingDiverged
+    from titanlite.errors import TrainingDiverged
+    from titanlite.trainer import Trainer
 
     args = tiny_args(dataset, folder, "--checkpoint.enable", "--checkpoint.interval", "1", "--metrics.log_freq", "10",
                      "--training.steps", "6")

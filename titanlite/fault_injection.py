@@ -14,25 +14,32 @@ piece of: bit `bit` of its float32.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
 from titanlite.dtensors import local
 from titanlite.metrics import log_line
+from titanlite.torchrun import attempt
 
 
 class FaultInjector:
     def __init__(self, config, rank: int):
         f = config.fault_injection
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        first_attempt = attempt() == 0
         self.kind = f.kind if first_attempt and rank == f.rank else ""
         self.settings, self.hooks = f, []
 
     def strikes(self, step: int, kind: str) -> bool:
         f = self.settings
-        return self.kind == kind and (f.step <= step < f.step + f.steps if kind == "slow" else step == f.step)
+        if self.kind != kind:
+            return False
+        if kind == "slow":
+            return f.step <= step < f.step + f.steps
+        if step == f.step:
+            self.kind = ""  # once: a run rolled back past the step comes to it again clean (its batch is skipped)
+            return True
+        return False
 
     def before_step(self, step: int, model_parts) -> None:
         """At the step's start: hold or stop the rank, or poison the logits of its batch."""

@@ -55,6 +55,7 @@ class SpikeGuard:
         self.policy = "warn" if h.spike_policy == "skip" and config.fault_tolerance.enable else h.spike_policy
         self.history = {"loss": deque(maxlen=self.window), "grad_norm": deque(maxlen=self.window)}
         self.spikes, self.in_a_row = 0, 0
+        self.rollback = False  # policy rollback: the last step's spike is to be rolled back
 
     def skips(self, trainer, local_loss: torch.Tensor | None, grad_norm: torch.Tensor) -> bool:
         """Whether this step's update is to be skipped (a spike under policy skip). Collective: every rank
@@ -81,8 +82,9 @@ class SpikeGuard:
         if new_level:  # not a spike but where the run is now: its values join the history
             for name, value in values.items():
                 self.history[name].append(value)
-        skip = self.policy == "skip" and not new_level
-        action = ("skipped" if skip else f"kept ({LEVEL_SHIFT} in a row: taken for a new level)" if new_level
+        skip = self.policy in ("skip", "rollback") and not new_level
+        self.rollback = skip and self.policy == "rollback"
+        action = ("skipped" + ("; rolling back" if self.rollback else "") if skip else f"kept ({LEVEL_SHIFT} in a row: taken for a new level)" if new_level
                   else "kept (health.spike_policy = warn, or under fault tolerance)")
         self.metrics.log_event(trainer.step, {"health_spike": 1.0, "health_spike_rank": float(worst)},
                                f"step {trainer.step}: spike: {'; '.join(found)} (window of {len(self.history['grad_norm'])} "

@@ -22,7 +22,8 @@ from pathlib import Path
 ERROR_DIR = "TITANLITE_ERROR_DIR"
 
 
-def _attempt() -> int:
+def attempt() -> int:
+    """Which attempt of the job this is (torchrun counts its restarts)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -38,7 +39,7 @@ def start_attempt() -> None:
     that torchrun then restarted are not reported as the job's."""
     folder = os.environ.get(ERROR_DIR)
     if folder:
-        _write_atomically(Path(folder, "attempt"), str(_attempt()))
+        _write_atomically(Path(folder, "attempt"), str(attempt()))
 
 
 def write_error(message: str, code: int) -> bool:
@@ -48,17 +49,17 @@ def write_error(message: str, code: int) -> bool:
         return False
     rank = int(os.environ.get("RANK", "0"))
     record = {"rank": rank, "code": code, "message": message}
-    _write_atomically(Path(folder, f"attempt{_attempt()}.rank{rank}.json"), json.dumps(record))
+    _write_atomically(Path(folder, f"attempt{attempt()}.rank{rank}.json"), json.dumps(record))
     return True
 
 
 def first_error(folder: str) -> dict | None:
     """The lowest rank's error in the latest attempt, or None."""
     try:
-        attempt = int(Path(folder, "attempt").read_text())
+        latest = int(Path(folder, "attempt").read_text())
     except (OSError, ValueError):
         return None
-    errors = [json.loads(p.read_text()) for p in Path(folder).glob(f"attempt{attempt}.rank*.json")]
+    errors = [json.loads(p.read_text()) for p in Path(folder).glob(f"attempt{latest}.rank*.json")]
     return min(errors, key=lambda e: e["rank"]) if errors else None
 
 

@@ -21,15 +21,17 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config import JobConfig, parse_args
-from titanlite.errors import ConfigError
+from titanlite.errors import ConfigError, TrainingDiverged
 from titanlite.fault_tolerance import FaultToleranceFailed
+from titanlite.goodput import GoodputClock, describe, process_start, read, report as goodput_report
 from titanlite.health import GRACE, HangWatchdog, ReplicaCheck, ReplicaDiverged, Stragglers
 from titanlite.metrics import log_line
 from titanlite import preflight
 from titanlite.profiling import Profiler
-from titanlite.torchrun import start_attempt, write_error
+from titanlite.rollback import roll_back
+from titanlite.torchrun import attempt, start_attempt, write_error
 from titanlite.dtensors import local
-from titanlite.trainer import Trainer, TrainingDiverged
+from titanlite.trainer import Trainer
 
 
 def init_distributed(config: JobConfig) -> torch.device:
@@ -60,7 +62,7 @@ def init_distributed(config: JobConfig) -> torch.device:
         # attempt's gloo addresses: a prefix per attempt keeps the new ranks from waiting on them. (It
         # only works on one node: nodes count restarts apart. run_train.sh sets
         # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every attempt a fresh store instead.)
-        store = dist.PrefixStore(f"titanlite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store = dist.PrefixStore(f"titanlite/attempt{attempt()}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
     return device
 
@@ -146,7 +148,10 @@ def train(trainer: Trainer) -> None:
             f"pipeline: {trainer.config.parallelism.pipeline_parallel_schedule}, this rank holds stages {trainer.stage_ids}; "
             "the loss is computed on the last stage and all-reduced over pp, so every rank logs it"
         )
+    setup_end = time.time()
     resumed = trainer.checkpointer.load()
+    clock = GoodputClock(trainer.metrics.folder, trainer.metrics.writes_files, process_start())
+    clock.start(trainer.step, time.time() - setup_end, setup_end, fresh=not resumed and attempt() == 0)
     c = trainer.config.checkpoint
     biased = any(bool(layer.expert_bias.any()) for layer in trainer.moe_layers)
     # Asked of every rank (a pipeline stage may hold no MoE layer), so all stop here alike, not rank 0
@@ -177,17 +182,18 @@ def train(trainer: Trainer) -> None:
             gc.collect(1)
         data_start = time.perf_counter()
         if not redo:
-            microbatches = trainer.next_microbatches(data_iter)
+            microbatches = trainer.batches.next(trainer, data_iter)
         data_seconds = time.perf_counter() - data_start
         trainer.injector.before_step(trainer.step, trainer.model_parts)
         stragglers.arrive(trainer.step, trainer.device)
         if watchdog:
             watchdog.at(trainer.step, 1, armed=False)
-        step_start = time.perf_counter()
+        step_start, skipped = time.perf_counter(), trainer.skipped_steps
         local_loss, grad_norm = trainer.train_step(microbatches)
         trainer.injector.after_step(trainer.step, trainer.parameters())
         replicas.check(trainer.step, trainer.parameters())
         redo = trainer.ft is not None and not trainer.ft.committed
+        clock.step(time.perf_counter() - step_start, data_seconds, kept=not redo and trainer.skipped_steps == skipped)
         if redo:
             log_line(f"step {trainer.step} not committed (a replica group failed or healed in it): redone with the same batch")
             trainer.step -= 1
@@ -201,7 +207,8 @@ def train(trainer: Trainer) -> None:
         validating = v.enable and (trainer.step % v.freq == 0 or last)
         if validating or trainer.checkpointer.due(trainer.step, last):
             trainer.check_finite()  # never evaluate or save weights a non-finite step has touched
-        if trainer.step == 1 or trainer.step % m.log_freq == 0 or last:
+        log_step = trainer.step == 1 or trainer.step % m.log_freq == 0 or last
+        if log_step:
             loss = trainer.global_loss(local_loss)
             trainer.check_finite(loss)
             lr = trainer.lr_schedulers[0].get_last_lr()[0]
@@ -209,14 +216,29 @@ def train(trainer: Trainer) -> None:
             trainer.metrics.log(trainer.step, loss, grad_norm.item(), lr, trainer.tokens_seen, skipped, trainer.step_extras())
         if watchdog:
             watchdog.at(trainer.step, 2, armed=False)  # validation and checkpoints are not timed
+        if trainer.spikes and trainer.spikes.rollback:
+            trainer.spikes.rollback = False
+            if (rolled_back := roll_back(trainer, clock)) is not None:
+                data_iter = rolled_back
+                continue
         if validating:
+            began = time.perf_counter()
             trainer.metrics.log_validation(trainer.step, trainer.validate())
             trainer.metrics.reset()  # keep evaluation time out of the next throughput window
+            clock.add("validation_s", time.perf_counter() - began)
+        saving, began = trainer.checkpointer.due(trainer.step, last), time.perf_counter()
         trainer.checkpointer.maybe_save(trainer.step, last)
+        if saving:
+            clock.add("save_s", time.perf_counter() - began)
+        if log_step or saving:
+            clock.record(trainer.step, trainer.ft.metrics() if trainer.ft else None)
         trainer.profiler.after_step(trainer.step)
         if trained == 1:
             shorten_collective_timeout(trainer)
+    began = time.perf_counter()
     trainer.checkpointer.wait()
+    clock.add("save_s", time.perf_counter() - began)
+    clock.record(trainer.step, trainer.ft.metrics() if trainer.ft else None, event="end")
     trainer.profiler.close()
     elapsed = time.perf_counter() - trainer.metrics.start
     tokens = trained * tokens_per_step * trainer.dp_degree
@@ -225,6 +247,8 @@ def train(trainer: Trainer) -> None:
         f"{tokens:,} tokens in {elapsed:.1f}s ({tokens / elapsed / trainer.dims.world_size:,.0f} tokens/s per device); "
         f"metrics in {trainer.metrics.folder / 'metrics.jsonl'}" + (f"; {trainer.ft.summary()}" if trainer.ft else "")
     )
+    if trainer.metrics.writes_files:
+        log_line(describe(goodput_report(read(trainer.metrics.folder))) + " (scripts/goodput.py plots it)")
     trainer.metrics.close()
 
 

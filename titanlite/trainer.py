@@ -27,7 +27,7 @@ from titanlite.data.windows import MixedWindows
 from titanlite.fault_tolerance import FaultTolerance
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.dtensors import local
-from titanlite.errors import ConfigError
+from titanlite.errors import ConfigError, TrainingDiverged
 from titanlite.fault_injection import FaultInjector
 from titanlite.health import SpikeGuard, hosts
 from titanlite.loss import IGNORED, cross_entropy_sum
@@ -46,10 +46,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
 from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
 from titanlite.parallel.stage_inference import MetadataInference
-
-
-class TrainingDiverged(RuntimeError):
-    pass
+from titanlite.rollback import Batches
 
 
 def set_determinism(config: JobConfig, device: torch.device) -> int:
@@ -190,6 +187,7 @@ class Trainer:
         self.profiler = None
         self.hosts = hosts()  # every rank's, for the health checks' messages
         self.spikes = SpikeGuard(config, self.metrics, self.hosts) if config.health.spike_policy != "off" else None
+        self.batches = Batches(config)  # drawn so far, and those skipped (health.skip_batches, rollbacks)
         self.injector = FaultInjector(config, dist.get_rank())
 
     def parameters(self):

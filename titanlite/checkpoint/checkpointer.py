@@ -158,7 +158,7 @@ class Checkpointer:
         workers = t.config.training.dataloader.num_workers
         loader = {"dp_degree": t.dp_degree, "num_workers": workers, "state": t.dataloader.state_dict(), "step": t.step,
                   "token_files": isinstance(t.dataloader.dataset, MixedWindows), "sample": t.samples_read,
-                  "spike_history": t.spikes.state() if t.spikes else None}  # the same on every rank
+                  "spike_history": t.spikes.state() if t.spikes else None, "batches": t.batches.state()}  # the same on every rank
         if data_only:
             return {"dataloader": {f"dp{t.dp_rank}": json_tensor(loader)}}
         train = {
@@ -426,6 +426,7 @@ class Checkpointer:
         saved_state = next(iter(states.values()))
         if t.spikes and saved_state.get("spike_history"):
             t.spikes.load(saved_state["spike_history"])
+        t.batches.load(saved_state.get("batches"), t.step)
         old_degree, old_workers = saved_state["dp_degree"], saved_state["num_workers"]
         workers = t.config.training.dataloader.num_workers
         tokens = isinstance(t.dataloader.dataset, MixedWindows)

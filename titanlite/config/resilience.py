@@ -37,8 +37,15 @@ class FaultTolerance:
 class Health:
     spike_policy: str = opt(
         "skip", "a step whose loss or grad norm is far above its recent history: skip (no optimizer update, as "
-        "OLMo-core does), warn (named, the update kept) or off", choices=("skip", "warn", "off", "rollback"),
-        unsupported={"rollback": "not built yet (a rollback to the last checkpoint); use skip"}, extension=True,
+        "OLMo-core does), rollback (back to the newest checkpoint before the rollback_batches batches that led "
+        "into it, which are skipped from then on, as PaLM did), warn (named, the update kept) or off",
+        choices=("skip", "warn", "off", "rollback"), extension=True,
+    )
+    rollback_batches: int = opt(20, "rollback: the batches skipped, the spike's and those before it", extension=True)
+    max_rollbacks: int = opt(5, "rollback: a spike after this many rollbacks (in one process) stops the run", extension=True)
+    skip_batches: list[str] = opt(
+        [], "global batches never trained on, as ranges (1-based, counting skipped ones): e.g. 8-9,120 gives the run "
+        "a rollback that skipped batches 8 and 9 and one at 120 would give; a rollback adds its own", extension=True,
     )
     spike_window: int = opt(100, "steps of history a spike is measured against (checks start at half of it)", extension=True)
     spike_sigmas: float = opt(6.0, "far above: past the window's mean + this many standard deviations", extension=True)

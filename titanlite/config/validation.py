@@ -3,6 +3,8 @@ ParallelDims; a model family's own checks in its folder, called through the regi
 
 from __future__ import annotations
 
+import re
+
 from titanlite.config.keys import LEAVES, default_value, get
 from titanlite.config.quantize import FLOAT8_CONVERTERS, float8_recipe
 from titanlite.config.schema import JobConfig
@@ -170,6 +172,16 @@ def validate(config: JobConfig) -> None:
     _require(h.straggler_percent > 0, f"health.straggler_percent={h.straggler_percent} must be > 0")
     _require(h.replica_check_interval >= 0, f"health.replica_check_interval={h.replica_check_interval} must be >= 0 (0 = off)")
     _require(h.straggler_checks >= 1, f"health.straggler_checks={h.straggler_checks} must be >= 1")
+    _require(h.rollback_batches >= 1, f"health.rollback_batches={h.rollback_batches} must be >= 1 (the spike's batch at least)")
+    _require(h.max_rollbacks >= 0, f"health.max_rollbacks={h.max_rollbacks} must be >= 0")
+    if h.spike_policy == "rollback":
+        _require(config.checkpoint.enable, "health.spike_policy='rollback' with checkpoint.enable=false: a rollback goes "
+                 "back to a checkpoint; set checkpoint.enable=true or use spike_policy='skip'")
+        _require(not config.fault_tolerance.enable, "health.spike_policy='rollback' with fault_tolerance.enable: each "
+                 "replica group would roll back alone; use spike_policy='warn' or turn fault tolerance off")
+    for text in h.skip_batches:
+        _require(re.fullmatch(r"[1-9]\d*(-[1-9]\d*)?", text) and int(text.split("-")[0]) <= int(text.split("-")[-1]),
+                 f"health.skip_batches entry '{text}' is not a batch (7) or a range of them (7-9, first <= last, from 1)")
     _require(injection.step >= 1 and injection.steps >= 1, f"fault_injection.step={injection.step} and steps={injection.steps} must be >= 1")
     _require(injection.seconds >= 0, f"fault_injection.seconds={injection.seconds} must be >= 0")
     _require(0 <= injection.bit < 32, f"fault_injection.bit={injection.bit} must be a bit of a float32: 0..31")
