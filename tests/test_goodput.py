@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import REPO
-from titanlite.goodput import read, report
+from titanlite.goodput import GoodputClock, read, report
 
 ZERO = {"skipped_steps": 0, "skipped_s": 0.0, "validation_s": 0.0}
 
@@ -75,3 +75,9 @@ def test_a_folder_without_records_is_one_line(tmp_path):
     (tmp_path / "goodput.jsonl").write_text(json.dumps(progress(1, 1.0, 1, 1.0, 0.0, 0.0)) + "\n")
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "goodput.py"), str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no start record" in out.stderr, out.stderr
+
+
+def test_an_attempt_after_a_cut_line_starts_a_line_of_its_own(tmp_path):
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TWO_ATTEMPTS[:3]) + '{"event": "progr')
+    GoodputClock(tmp_path, True, 1100.0).start(2, 3.0, 1112.0, fresh=False)
+    assert read(tmp_path) == TWO_ATTEMPTS[:4]

@@ -238,6 +238,26 @@ def test_the_data_position_survives_a_change_of_data_parallel_degree(sources):
     assert all(torch.equal(a, b) for a, b in zip(first + after, reference))
 
 
+def test_a_rollback_reads_token_files_again_from_the_checkpoints_position(sources):
+    """A loader that read 6 microbatches, set back to the position after 3 (as a rollback does through
+    the checkpointer), reads the 4th next, with no worker and with a persistent one."""
+    from titanlite.checkpoint.checkpointer import Checkpointer, json_tensor
+    from titanlite.rollback import Batches
+
+    mixture = "0.6 {web},0.4 {math}".format(**sources)
+    for workers in ([], ["--training.dataloader.num_workers", "1", "--training.dataloader.persistent_workers", "true"]):
+        cfg = config("--training.dataset_mixture", mixture, *workers)
+        reference, _ = global_rows(cfg, 1, 6)
+        trainer = SimpleNamespace(config=cfg, dp_rank=0, dp_degree=1, dataloader=loader(cfg), samples_read=0, spikes=None,
+                                  batches=Batches(cfg), step=3)
+        it = iter(trainer.dataloader)
+        assert all(torch.equal(next(it)[0], r) for r in reference)
+        saved = {"dp0": json_tensor({"dp_degree": 1, "num_workers": len(workers) // 4, "state": {}, "step": 3,
+                                     "token_files": True, "sample": 3 * 2})}
+        Checkpointer.load_dataloader(SimpleNamespace(trainer=trainer), saved)
+        assert torch.equal(next(iter(trainer.dataloader))[0], reference[3]), workers
+
+
 MEGATRON = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")

@@ -38,15 +38,18 @@ PARTS = {
 }
 
 
+IMPORTED = time.time()
+
+
 def process_start() -> float:
     """This process's start (wall clock) from /proc on Linux, so that imports count as start-up (to the
-    second: the boot time is whole seconds); elsewhere, now."""
+    second: the boot time is whole seconds); elsewhere, when this module was imported."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
+        return IMPORTED
 
 
 class GoodputClock:
@@ -59,6 +62,11 @@ class GoodputClock:
     def start(self, step: int, load_s: float, setup_end: float, fresh: bool) -> None:
         """`setup_end`: the wall time before the checkpoint load; `fresh`: a new job, not a restart or resume."""
         startup = setup_end - self.process_start
+        if not fresh and self.writes and self.path.exists() and self.path.stat().st_size:
+            with open(self.path, "rb+") as f:  # a line the last attempt's crash cut short stays apart from ours
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
         self.write({"event": "start", "step": step, "wall": self.process_start, "startup_s": startup, "load_s": load_s}, fresh)
 
     def restart(self, step: int, load_s: float) -> None:

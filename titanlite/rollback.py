@@ -80,11 +80,18 @@ def roll_back(trainer, clock):
     that led into it, which join the skip set. Returns the data iterator to go on with, or None when no
     checkpoint is old enough (the spike's update stays skipped, and the run goes on)."""
     batches, ckpt = trainer.batches, trainer.checkpointer
-    first, last, spike_step = batches.drawn - trainer.config.health.rollback_batches + 1, batches.drawn, trainer.step
+    first, last, spike_step = max(batches.drawn - trainer.config.health.rollback_batches + 1, 1), batches.drawn, trainer.step
     ckpt.wait()
-    steps = [s for s in complete_steps(ckpt.folder) if batches.drawn_by(s) < first and ckpt.resumable(ckpt.folder / f"step-{s}")]
-    if not steps:
-        log_line(f"step {spike_step}: rollback: no checkpoint before batch {max(first, 1)} (keep more with "
+    # Rank 0 chooses (it commits saves and drops old ones: another rank's listing may lag behind).
+    chosen = [None]
+    if ckpt.is_coordinator:
+        steps = [s for s in complete_steps(ckpt.folder) if batches.drawn_by(s) < first
+                 and "train_state" in ckpt.parts_of(ckpt.folder / f"step-{s}")]  # not a model-only seed
+        chosen = [steps[-1] if steps else None]
+    dist.broadcast_object_list(chosen, src=0)
+    target = chosen[0]
+    if target is None:
+        log_line(f"step {spike_step}: rollback: no checkpoint before batch {first} (keep more with "
                  "checkpoint.keep_latest_k, or save more often): the spike's update is skipped only")
         return None
     clock.record(spike_step)  # the attempt up to the spike: its steps after the checkpoint are lost
@@ -93,20 +100,22 @@ def roll_back(trainer, clock):
     if batches.rollbacks > limit:
         raise TrainingDiverged(f"step {spike_step}: a spike after {limit} rollbacks (health.max_rollbacks): skipping data "
                                "does not cure it; training stopped. Lower optimizer.lr, or look at the model or the hardware")
-    began, target = time.perf_counter(), steps[-1]
+    began = time.perf_counter()
     if ckpt.is_coordinator:
         for old in ckpt.folder.glob("step-*.rolled_back"):
             shutil.rmtree(old)  # the last rollback's are kept, no more: a run that rolls back often would fill the disk
-        for step in complete_steps(ckpt.folder):
+        for step in reversed(complete_steps(ckpt.folder)):  # newest first: a crash midway leaves none of them loadable
             if step > target:
                 path = ckpt.folder / f"step-{step}"
                 path.rename(path.with_name(f"{path.name}.rolled_back"))
     dist.barrier()
-    batches.skip |= set(range(max(first, 1), last + 1))
+    dropped = set(range(first, last + 1))
+    batches.skip |= dropped
     ckpt.load_from(ckpt.folder / f"step-{target}", set(PARTS))
     trainer.spikes.in_a_row = 0
+    ckpt.save(target)  # the same state with the new skip set: a crash from here resumes skipping them too
     clock.restart(trainer.step, time.perf_counter() - began)
     trainer.metrics.reset()
-    log_line(f"step {spike_step}: rolled back to checkpoint step-{target}; batches {ranges(set(range(max(first, 1), last + 1)))} "
-             f"skipped from now on (to repeat this run from the start: --health.skip_batches {ranges(batches.skip)})")
+    log_line(f"step {spike_step}: rolled back to checkpoint step-{target}; batches {ranges(dropped)} skipped from now "
+             f"on (to repeat this run from the start: --health.skip_batches {ranges(batches.skip)})")
     return iter(trainer.dataloader)

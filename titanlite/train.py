@@ -218,7 +218,10 @@ def train(trainer: Trainer) -> None:
             watchdog.at(trainer.step, 2, armed=False)  # validation and checkpoints are not timed
         if trainer.spikes and trainer.spikes.rollback:
             trainer.spikes.rollback = False
-            if (rolled_back := roll_back(trainer, clock)) is not None:
+            set_collective_timeout(trainer.config.comm.init_timeout_seconds)  # a load and a save, timed as at start
+            rolled_back = roll_back(trainer, clock)
+            shorten_collective_timeout(trainer)
+            if rolled_back is not None:
                 data_iter = rolled_back
                 continue
         if validating:

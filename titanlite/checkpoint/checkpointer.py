@@ -413,6 +413,8 @@ class Checkpointer:
                 t.ft.resumed(int(s["ft_step"]) if "ft_step" in s else t.step)
         if "dataloader" in state:
             self.load_dataloader(state["dataloader"])
+        else:
+            t.batches.load(None, t.step)
         if t.ft and parts == {"dataloader"}:
             t.ft.data_step = next(tensor_json(v) for v in state["dataloader"].values())["step"]
             log_line(f"loaded this replica group's data position of step {t.ft.data_step} from {path}; its weights and "
@@ -433,6 +435,8 @@ class Checkpointer:
         if tokens and saved_state.get("token_files"):
             # Token files: the position is the next global sample, the same on any layout and worker count.
             t.dataloader.dataset.sample = t.samples_read = saved_state["sample"]
+            t.dataloader.dataset.worker_sample = None  # a loader that read past it (a rollback's) starts there again,
+            t.dataloader.load_state_dict({})  # and no worker of a past iterator goes on from its own position
             if (old_degree, old_workers) != (t.dp_degree, workers):
                 log_line(f"data position (global sample {t.samples_read}) kept from {old_degree} to {t.dp_degree} "
                          f"data-parallel ranks, {old_workers} to {workers} loader workers")
