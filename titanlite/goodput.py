@@ -145,8 +145,8 @@ def report(rows: list[dict]) -> dict:
     wall = last["wall"] - runs[0][0]["wall"]
     parts["other_s"] = wall - sum(parts.values())
     return {"wall_s": wall, "goodput": parts["productive_s"] / wall if wall > 0 else 0.0, "parts": parts,
-            "attempts": len(runs), "kept_steps": kept_steps, "lost_steps": lost_steps, "ended": last.get("event") == "end",
-            "step": last.get("step", runs[-1][0]["step"])} | {k: v for k, v in last.items() if k.startswith("ft_")}
+            "attempts": len(runs), "kept_steps": kept_steps, "lost_steps": lost_steps, "ended": last.get("event") == "end"} | {
+        k: v for k, v in last.items() if k.startswith("ft_")}
 
 
 def describe(summary: dict) -> str:

@@ -113,8 +113,10 @@ def roll_back(trainer, clock):
     batches.skip |= dropped
     ckpt.load_from(ckpt.folder / f"step-{target}", set(PARTS))
     trainer.spikes.in_a_row = 0
-    ckpt.save(target)  # the same state with the new skip set: a crash from here resumes skipping them too
     clock.restart(trainer.step, time.perf_counter() - began)
+    began = time.perf_counter()
+    ckpt.save(target)  # the same state with the new skip set: a crash from here resumes skipping them too
+    clock.add("save_s", time.perf_counter() - began)
     trainer.metrics.reset()
     log_line(f"step {spike_step}: rolled back to checkpoint step-{target}; batches {ranges(dropped)} skipped from now "
              f"on (to repeat this run from the start: --health.skip_batches {ranges(batches.skip)})")
