@@ -29,11 +29,15 @@ def rows(folder) -> list[dict]:
 
 def test_a_spike_is_named_by_rank_and_its_update_skipped(corpus_jsonl, tmp_path):
     """FSDP 2, rank 1's batch at step 7 makes logits 100x: found against 6 steps of history, rank 1
-    named, the update skipped, and the run ends with finite losses."""
-    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "10", "--health.spike_window", "6",
+    named, the replay puts it down to the data, the update is skipped, and the run ends with finite
+    losses."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "10", "--health.spike_window", "6", "--health.replay",
                      "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1")
     out = torchrun(2, tmp_path, *args)
     assert out.returncode == 0, out.stderr[-3000:]
+    # The replay reproduces it, and rank 0 recomputing rank 1's batch gets the same bits: the data.
+    assert ("step 7: replay reproduces the result, and rank 1 (" in out.stdout
+            and "'s batch recomputed on another rank gives the same bits: the data" in out.stdout), out.stdout[-3000:]
     spikes = re.findall(r"step (\d+): spike: [^\n]*?rank (\d) \([^)]*\) holds the largest part (of the [a-z' ]+); update skipped", out.stdout)
     assert set(spikes) == {("7", "1", "of the loss")}, out.stdout[-3000:]  # (each rank prints it)
     assert "a spike at step 7: optimizer step skipped (1 skipped so far)" in out.stdout
@@ -160,6 +164,41 @@ def test_a_flipped_bit_that_makes_the_grad_norm_infinite_is_named_and_skipped(co
     assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
 
 
+def test_a_flipped_gradient_bit_is_classed_by_the_replay_as_a_transient_fault(corpus_jsonl, tmp_path):
+    """FSDP 2, health.replay: bit 30 of rank 1's largest gradient element at step 5 makes the grad norm
+    infinite. The step's replay on the same data differs on rank 1 alone: a transient fault, named; the
+    replay's result is kept, so every logged loss and grad norm is bitwise that of a run without the flip."""
+    common = ["--training.steps", "8", "--health.replay"]
+    flipped, clean = tmp_path / "flipped", tmp_path / "clean"
+    out = torchrun(2, flipped, *tiny_args(corpus_jsonl, flipped, *common, "--fault_injection.kind", "bitflip_grad",
+                                          "--fault_injection.step", "5", "--fault_injection.rank", "1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"step 5: replay on the same data differs from the first result on rank 1 \([^)]*\): a transient "
+                     r"fault; the first result is dropped, the replay's kept", out.stdout), out.stdout[-3000:]
+    assert "optimizer step skipped" not in out.stdout
+    assert torchrun(2, clean, *tiny_args(corpus_jsonl, clean, *common)).returncode == 0
+    keys = ("step", "loss", "grad_norm")
+    logged = lambda folder: [[r[k] for k in keys] for r in rows(folder) if "loss" in r]
+    assert len(logged(flipped)) == 8 and logged(flipped) == logged(clean)
+    assert [r["health_transient_rank"] for r in rows(flipped) if "health_transient_rank" in r] == [1.0]
+    from titanlite.goodput import read
+
+    end = read(flipped)[-1]  # the replay's time counts apart from the 8 kept steps
+    assert (end["steps"], end["skipped_steps"]) == (8, 0) and end["skipped_s"] > 0
+
+
+def test_a_fault_that_repeats_on_one_rank_is_named_persistent_and_stops_the_run(corpus_jsonl, tmp_path):
+    """FSDP 2, health.replay: rank 1's logits are 100x at step 7 whatever batch it computes. The replay
+    reproduces the spike; rank 0, recomputing rank 1's batch, gets other bits: a persistent fault of rank 1,
+    named in one line, exit 1."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--health.spike_window", "6", "--health.replay",
+                     "--fault_injection.kind", "spike_rank", "--fault_injection.step", "7", "--fault_injection.rank", "1")
+    out = torchrun(2, tmp_path, *args)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert re.search(r"titanlite: step 7: rank 1 \([^)]*\) gives the same suspect result again, but its batch recomputed "
+                     r"on rank 0 \([^)]*\) gives other bits: a persistent fault of rank 1", out.stderr), out.stderr[-3000:]
+
+
 def test_a_flipped_weight_in_one_replica_is_found_and_healed(corpus_jsonl, tmp_path):
     """HSDP 2 x 2: bit 30 of a weight on rank 3 (replica 1) after step 3's update; the check of step 4
     names rank 3 and sends it replica 0's weights; the check of step 6 finds the replicas equal, and the
@@ -223,6 +262,7 @@ def test_a_hung_rank_is_named_its_stacks_written_and_the_restart_resumes(corpus_
     ("--health.skip_batches", "9-8", "health.skip_batches entry '9-8' is not a batch"),
     ("--health.rollback_batches", "0", "health.rollback_batches=0 must be >= 1"),
     ("--fault_injection.bit", "32", "fault_injection.bit=32 must be a bit of a float32"),
+    ("--health.replay", "--health.spike_policy=off", "health.replay=true with health.spike_policy='off'"),
 ])
 def test_bad_health_settings_are_one_line(flag, value, words):
     from titanlite.config import parse_args

@@ -1,8 +1,11 @@
 """A fire drill ([fault_injection]): one fault, at one step, on one rank, in the first attempt of a
 job (a restarted attempt runs clean, so a drill of a hang shows the restart resuming):
 
-  nan_batch      the rank's logits of that step become NaN (as a poisoned batch would make them)
-  spike_batch    ... are multiplied by spike_factor: a loss and grad-norm spike
+  nan_batch      the logits of the rank's batch of that step become NaN (as a poisoned batch would make
+                 them), on whichever rank computes that batch (health.replay recomputes it elsewhere)
+  spike_batch    ... are multiplied by spike_factor: a loss and grad-norm spike that the data causes
+  spike_rank     the rank's logits of that step, whatever batch it computes, are multiplied by
+                 spike_factor: a fault of its device that repeats (health.replay names it persistent)
   bitflip_grad   one bit of one gradient element flips, after backward, before the grad norm
   bitflip_param  one bit of one weight element flips, after the optimizer step
   slow           the rank is held `seconds` at the start of each of `steps` steps: a straggler
@@ -23,12 +26,17 @@ from titanlite.metrics import log_line
 from titanlite.torchrun import attempt
 
 
+BATCH_KINDS = ("nan_batch", "spike_batch")
+
+
 class FaultInjector:
     def __init__(self, config, rank: int):
         f = config.fault_injection
         first_attempt = attempt() == 0
-        self.kind = f.kind if first_attempt and rank == f.rank else ""
-        self.settings, self.hooks = f, []
+        # A poisoned batch is the batch's, not the rank's: every rank arms it, for when it computes that batch.
+        self.kind = f.kind if first_attempt and (rank == f.rank or f.kind in BATCH_KINDS) else ""
+        self.settings, self.hooks, self.rank = f, [], rank
+        self.origin = rank  # the rank whose batch this rank computes (a replay on suspicion recomputes another's)
 
     def strikes(self, step: int, kind: str) -> bool:
         f = self.settings
@@ -49,11 +57,15 @@ class FaultInjector:
             log_line(f"fault injection: rank hangs at step {step}")
             while True:
                 time.sleep(3600)
-        for kind, factor in (("nan_batch", float("nan")), ("spike_batch", self.settings.spike_factor)):
+        f = self.settings
+        for kind, factor in (("nan_batch", float("nan")), ("spike_batch", f.spike_factor), ("spike_rank", f.spike_factor)):
             if self.strikes(step, kind):
-                log_line(f"fault injection: {kind} at step {step}")
+                if self.rank == f.rank:
+                    log_line(f"fault injection: {kind} at step {step}")
+                struck = lambda k=kind: k == "spike_rank" or self.origin == f.rank
                 # The last stage's output is the logits (other stages pass hidden states on: scaled too)
-                self.hooks = [part.register_forward_hook(lambda m, i, out, f=factor: scaled(out, f)) for part in model_parts]
+                self.hooks = [part.register_forward_hook(lambda m, i, out, k=factor, on=struck: scaled(out, k) if on() else out)
+                              for part in model_parts]
 
     def after_backward(self, step: int, params) -> None:
         if self.strikes(step, "bitflip_grad"):

@@ -32,7 +32,7 @@ PARTS = {
     "lost_s": "steps lost and recomputed",
     "down_s": "down between attempts",
     "data_s": "stalled on data",
-    "skipped_s": "steps skipped or redone",
+    "skipped_s": "steps skipped, redone or replayed",
     "validation_s": "validation",
     "other_s": "other",
 }
@@ -74,10 +74,12 @@ class GoodputClock:
         self.totals = dict.fromkeys(TOTALS, 0.0)
         self.write({"event": "start", "step": step, "wall": time.time() - load_s, "startup_s": 0.0, "load_s": load_s})
 
-    def step(self, seconds: float, data_s: float, kept: bool) -> None:
+    def step(self, seconds: float, data_s: float, kept: bool, replayed_s: float = 0.0) -> None:
+        """A step of `seconds`, `replayed_s` of them in a replay on suspicion (counted with skipped steps)."""
         self.totals["data_s"] += data_s
         self.totals["steps" if kept else "skipped_steps"] += 1
-        self.totals["step_s" if kept else "skipped_s"] += seconds
+        self.totals["step_s" if kept else "skipped_s"] += seconds - replayed_s
+        self.totals["skipped_s"] += replayed_s
 
     def add(self, total: str, seconds: float) -> None:
         self.totals[total] += seconds

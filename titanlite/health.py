@@ -48,18 +48,20 @@ def hosts() -> list[str]:
 
 
 class SpikeGuard:
-    def __init__(self, config, metrics, hosts: list[str]):
+    def __init__(self, config, metrics, hosts: list[str], replay=None):
         h = config.health
         self.window, self.sigmas, self.metrics, self.hosts = h.spike_window, h.spike_sigmas, metrics, hosts
+        self.replay, self.cause = replay, "a spike"  # replay.Replay (health.replay); what the last skip was for
         # Under torchft each group would skip by its own history (a healed group's is empty): named, never skipped.
         self.policy = "warn" if h.spike_policy == "skip" and config.fault_tolerance.enable else h.spike_policy
         self.history = {"loss": deque(maxlen=self.window), "grad_norm": deque(maxlen=self.window)}
         self.spikes, self.in_a_row = 0, 0
         self.rollback = False  # policy rollback: the last step's spike is to be rolled back
 
-    def skips(self, trainer, local_loss: torch.Tensor | None, grad_norm: torch.Tensor) -> bool:
-        """Whether this step's update is to be skipped (a spike under policy skip). Collective: every rank
-        calls it (with no loss, as a test stepping by hand does, nothing is checked)."""
+    def skips(self, trainer, local_loss: torch.Tensor | None, grad_norm: torch.Tensor, replay: bool = True) -> bool:
+        """Whether this step's update is to be skipped (a spike under policy skip; with health.replay a
+        non-finite step the replay puts down to the data). Collective: every rank calls it (with no loss,
+        as a test stepping by hand does, nothing is checked)."""
         if local_loss is None:
             return False
         loss = trainer.reduce_loss(local_loss.detach().clone())
@@ -72,9 +74,16 @@ class SpikeGuard:
             return False
         worst, whose = self.whose(trainer, local_loss, by_loss=found[0].startswith("loss"))
         named = f"rank {worst} ({self.hosts[worst]}) holds the largest part {whose}"
-        if not finite:  # training.skip_nonfinite_steps skips it or stops the run; here it is named
+        if not finite:
             self.metrics.log_event(trainer.step, {"health_nonfinite_rank": float(worst)},
                                    f"step {trainer.step}: not finite: {'; '.join(found)}; {named}")
+        self.cause = "a spike" if finite else "a non-finite result of the data"
+        if self.replay is not None and replay:
+            if self.replay.classify(trainer, local_loss, grad_norm, worst) == "transient":  # the replay's values stand
+                return self.skips(trainer, local_loss, grad_norm, replay=False)
+            if not finite:
+                return True  # the data's: skipped
+        if not finite:  # training.skip_nonfinite_steps skips it or stops the run; here it is named
             return False
         self.spikes += 1
         self.in_a_row += 1

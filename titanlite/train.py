@@ -193,7 +193,8 @@ def train(trainer: Trainer) -> None:
         trainer.injector.after_step(trainer.step, trainer.parameters())
         replicas.check(trainer.step, trainer.parameters())
         redo = trainer.ft is not None and not trainer.ft.committed
-        clock.step(time.perf_counter() - step_start, data_seconds, kept=not redo and trainer.skipped_steps == skipped)
+        replayed_s = trainer.spikes.replay.take_seconds() if trainer.spikes and trainer.spikes.replay else 0.0
+        clock.step(time.perf_counter() - step_start, data_seconds, not redo and trainer.skipped_steps == skipped, replayed_s)
         if redo:
             log_line(f"step {trainer.step} not committed (a replica group failed or healed in it): redone with the same batch")
             trainer.step -= 1

@@ -46,6 +46,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
 from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
 from titanlite.parallel.stage_inference import MetadataInference
+from titanlite.replay import Replay
 from titanlite.rollback import Batches
 
 
@@ -186,7 +187,8 @@ class Trainer:
         self.checkpointer = Checkpointer(config, self)
         self.profiler = None
         self.hosts = hosts()  # every rank's, for the health checks' messages
-        self.spikes = SpikeGuard(config, self.metrics, self.hosts) if config.health.spike_policy != "off" else None
+        replay = Replay(config, device, self.metrics, self.hosts) if config.health.replay else None
+        self.spikes = SpikeGuard(config, self.metrics, self.hosts, replay) if config.health.spike_policy != "off" else None
         self.batches = Batches(config)  # drawn so far, and those skipped (health.skip_batches, rollbacks)
         self.injector = FaultInjector(config, dist.get_rank())
 
@@ -295,19 +297,20 @@ class Trainer:
         grad norm), both on the device: nothing here waits for the device."""
         if self.ft:
             self.ft.start_step()  # the replica groups' quorum, while the forward runs
+        self.microbatches = microbatches  # health.replay runs them again
         loss = self.compute_gradients(microbatches)
         self.injector.after_backward(self.step, self.parameters())
         return loss, self.apply_gradients(loss)
 
-    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Forward/backward every microbatch; returns this rank's part of the global mean loss (on the
-        device; `global_loss` sums the parts)."""
+    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], backward: bool = True) -> torch.Tensor:
+        """Forward (and backward) every microbatch; returns this rank's part of the global mean loss (on
+        the device; `global_loss` sums the parts)."""
         # Dividing each rank's summed loss by the global token count makes the summed gradients
         # the gradient of the global mean, whatever the dp degree and accumulation steps.
         self.loss_scale = sum(self.global_tokens(labels) for _, labels in microbatches)
         self.mtp_loss.zero_()
         self.before_step()
-        objective = sum(self.forward(x, y, backward=True) for x, y in microbatches)
+        objective = sum(self.forward(x, y, backward) for x, y in microbatches)
         check_replays_done(self.replays)
         # The model's own loss (step_extras logs MTP's).
         return objective - self.mtp_loss_weight * self.mtp_loss if self.mtp_depth else objective
@@ -341,14 +344,14 @@ class Trainer:
         both need the values on the host, one wait for the device a step."""
         params = self.parameters()
         reduce_partial_grads(params)
-        balance = self.expert_balance() if self.is_moe else None
+        self.balance = self.expert_balance() if self.is_moe else None
         if self.ft:
             self.ft.sync_gradients(params)
         grad_norm = clip_grad_norm_(params, 0, self.pp_group)  # the norm; clipped below, after the checks read the gradients
-        finite = torch.isfinite(grad_norm)
         # False: a replica group failed in this step (fault tolerance); nothing of it counts, it is redone.
         commit = self.ft.should_commit() if self.ft else True
-        spike = commit and self.spikes is not None and self.spikes.skips(self, loss, grad_norm)
+        spike = commit and self.spikes is not None and self.spikes.skips(self, loss, grad_norm)  # a replay may redo the step
+        finite = torch.isfinite(grad_norm)
         skip = commit and (self.config.training.skip_nonfinite_steps and not bool(finite) or spike)
         clip_to(params, self.config.training.max_norm, grad_norm)
         for opt, scheduler in zip(self.optimizers, self.lr_schedulers):
@@ -358,10 +361,10 @@ class Trainer:
             elif getattr(opt, "qk_clip", None):
                 opt.qk_clip.reset()  # the skipped batch's logits do not count
             opt.zero_grad(set_to_none=True)
-        if balance is not None:
-            self.move_expert_bias(balance, finite, commit and not skip)
+        if self.balance is not None:
+            self.move_expert_bias(finite, commit and not skip)
         if skip:
-            self.skip_step(f"a spike at step {self.step}" if spike else f"grad norm is {grad_norm.item()} at step {self.step}")
+            self.skip_step(f"{self.spikes.cause} at step {self.step}" if spike else f"grad norm is {grad_norm.item()} at step {self.step}")
         elif commit:
             self.first_nonfinite_step.masked_fill_(~finite & (self.first_nonfinite_step < 0), self.step)
         return grad_norm
@@ -391,11 +394,10 @@ class Trainer:
             counts = self.ft.sum_over_groups(counts)
         return counts, aux
 
-    def move_expert_bias(self, balance: tuple[torch.Tensor, torch.Tensor], finite: torch.Tensor, commit: bool) -> None:
-        """The bias stays put after a step whose grad norm is not finite or that did not commit (zero
-        counts); the counts start again from zero either way."""
-        update_expert_bias(self.moe_layers, balance[0] * (finite.to(balance[0].device) & commit))
-        self.balance = balance
+    def move_expert_bias(self, finite: torch.Tensor, commit: bool) -> None:
+        """By the step's counts (self.balance); the bias stays put after a step whose grad norm is not
+        finite or that did not commit (zero counts); the counts start again from zero either way."""
+        update_expert_bias(self.moe_layers, self.balance[0] * (finite.to(self.balance[0].device) & commit))
 
     def skip_step(self, where: str) -> None:
         """A step whose gradients are not finite or spiked: the optimizer and lr schedule did not move."""

@@ -47,6 +47,12 @@ class Health:
         [], "global batches never trained on, as ranges (1-based, counting skipped ones): e.g. 8-9,120 gives the run "
         "a rollback that skipped batches 8 and 9 and one at 120 would give; a rollback adds its own", extension=True,
     )
+    replay: bool = opt(
+        False, "a spike or a non-finite step runs again on the same data before its update (Megatron's rerun, in "
+        "process): a replay that differs bitwise is a transient fault (rank named, the replay's result kept); one that "
+        "reproduces is recomputed on the next data-parallel rank: the same bits are the data (the step is skipped or "
+        "per spike_policy), others a persistent fault (rank named, the run stops)", extension=True,
+    )
     spike_window: int = opt(100, "steps of history a spike is measured against (checks start at half of it)", extension=True)
     spike_sigmas: float = opt(6.0, "far above: past the window's mean + this many standard deviations", extension=True)
     straggler_interval: int = opt(
@@ -72,11 +78,11 @@ class Health:
 class FaultInjection:
     kind: str = opt(
         "", "a drill: the fault to inject at `step` on `rank` ('' = none)",
-        choices=("", "nan_batch", "spike_batch", "bitflip_grad", "bitflip_param", "slow", "hang"), extension=True,
+        choices=("", "nan_batch", "spike_batch", "spike_rank", "bitflip_grad", "bitflip_param", "slow", "hang"), extension=True,
     )
     step: int = opt(1, "the step it strikes", extension=True)
     rank: int = opt(0, "the rank it strikes (global rank)", extension=True)
     steps: int = opt(1, "slow: for this many steps from `step`", extension=True)
     seconds: float = opt(2.0, "slow: seconds each of those steps is held back", extension=True)
-    spike_factor: float = opt(100.0, "spike_batch: the factor the rank's logits are multiplied by", extension=True)
+    spike_factor: float = opt(100.0, "spike_batch, spike_rank: the factor the logits are multiplied by", extension=True)
     bit: int = opt(30, "bitflip_*: the bit of one float32 element flipped (30: the exponent's top)", extension=True)

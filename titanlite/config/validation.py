@@ -179,6 +179,11 @@ def validate(config: JobConfig) -> None:
                  "back to a checkpoint; set checkpoint.enable=true or use spike_policy='skip'")
         _require(not config.fault_tolerance.enable, "health.spike_policy='rollback' with fault_tolerance.enable: each "
                  "replica group would roll back alone; use spike_policy='warn' or turn fault tolerance off")
+    if h.replay:
+        _require(h.spike_policy != "off", "health.replay=true with health.spike_policy='off': a replay runs on a spike; "
+                 "set spike_policy='skip' (or warn, rollback)")
+        _require(not config.fault_tolerance.enable, "health.replay=true with fault_tolerance.enable: a replica group "
+                 "cannot replay a step alone; turn one of them off")
     for text in h.skip_batches:
         _require(re.fullmatch(r"[1-9]\d*(-[1-9]\d*)?", text) and int(text.split("-")[0]) <= int(text.split("-")[-1]),
                  f"health.skip_batches entry '{text}' is not a batch (7) or a range of them (7-9, first <= last, from 1)")
