@@ -150,6 +150,8 @@ TB_TAGS = {
     "health_spike": "health/spike",
     "health_spike_rank": "health/spike_rank",
     "health_nonfinite_rank": "health/nonfinite_rank",
+    "health_transient_rank": "health/transient_rank",
+    "health_replay_data": "health/replay_data",
     "health_replica_healed_rank": "health/replica_healed_rank",
     "health_straggler_rank": "health/straggler_rank",
     "health_straggler_late_s": "health/straggler_late_s",
