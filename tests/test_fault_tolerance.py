@@ -206,6 +206,14 @@ def test_a_killed_replica_group_heals_from_the_survivor_and_rejoins(corpus_jsonl
     assert 1 <= survivor_rows[-1]["ft_steps_redone"] <= 3 and survivor_rows[-1]["ft_stalled_seconds"] > 1.0, survivor_rows[-1]
     assert 0.0 < survivor_rows[-1]["ft_goodput"] < 1.0, survivor_rows[-1]
     assert "healed in it): redone with the same batch" in (folders[survivor] / "out.log").read_text()
+    # The run's goodput report carries torchft's figures, and counts each redone step apart from the kept.
+    from titanlite.goodput import read, report
+
+    summary = report(read(folders[survivor]))
+    last = survivor_rows[-1]  # the report's figures are the run's end's: stalled time can only have grown
+    assert summary["ft_steps_redone"] == last["ft_steps_redone"] and summary["ft_stalled_seconds"] >= last["ft_stalled_seconds"], summary
+    assert (summary["kept_steps"], read(folders[survivor])[-1]["skipped_steps"]) == (steps, summary["ft_steps_redone"]), summary
+    assert "torchft: " in (folders[survivor] / "out.log").read_text()
     back_rows = logged(back_folder)
     healed = back_rows[0]["step"]  # the step it healed in, redone: the first it logs
     assert killed_at < healed < steps and [r["step"] for r in back_rows] == list(range(healed, steps + 1))
