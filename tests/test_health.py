@@ -187,6 +187,20 @@ def test_a_flipped_gradient_bit_is_classed_by_the_replay_as_a_transient_fault(co
     assert (end["steps"], end["skipped_steps"]) == (8, 0) and end["skipped_s"] > 0
 
 
+def test_a_poisoned_batch_that_makes_the_loss_nan_is_put_down_to_the_data_and_skipped(corpus_jsonl, tmp_path):
+    """FSDP 2, health.replay: rank 0's batch of step 6 makes the logits NaN. The replay gives NaN again,
+    and so does rank 1 recomputing that batch: the data. The step is skipped, and its NaN loss, which
+    moved no weight, does not stop the run."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--health.replay", "--fault_injection.kind",
+                     "nan_batch", "--fault_injection.step", "6", "--fault_injection.rank", "0")
+    out = torchrun(2, tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 6: replay reproduces the result, and rank 0 (" in out.stdout, out.stdout[-3000:]
+    assert "a non-finite result of the data at step 6: optimizer step skipped (1 skipped so far)" in out.stdout
+    losses = [r["loss"] for r in rows(tmp_path) if "loss" in r]
+    assert len(losses) == 8 and math.isnan(losses[5]) and all(math.isfinite(x) for x in losses[:5] + losses[6:])
+
+
 def test_a_fault_that_repeats_on_one_rank_is_named_persistent_and_stops_the_run(corpus_jsonl, tmp_path):
     """FSDP 2, health.replay: rank 1's logits are 100x at step 7 whatever batch it computes. The replay
     reproduces the spike; rank 0, recomputing rank 1's batch, gets other bits: a persistent fault of rank 1,

@@ -113,7 +113,7 @@ class Replay:
             trainer.mtp_loss.copy_(mtp_loss)
         own = [torch.zeros_like(local_loss) for _ in ranks]  # each rank's first loss part
         dist.all_gather(own, local_loss.detach().clone(), group=group)
-        differs = ranks[source] == suspect and not torch.equal(bits_sum(recomputed), bits_sum(own[source]))
+        differs = ranks[source] == suspect and not same(recomputed, own[source])
         checker = ranks_where(differs, local_loss.device)
         return checker[0] if checker else None
 
@@ -130,6 +130,11 @@ def fingerprint(loss: torch.Tensor, params) -> torch.Tensor:
     """A rank's result as integers: its loss part's bits and the bit sums of its gradient pieces."""
     grads = [bits_sum(local(p.grad.detach())).to(loss.device) for p in params if p.grad is not None]
     return torch.stack([bits_sum(loss.detach().float()).to(loss.device), *grads])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits, or both NaN (a NaN's sign and payload may differ from one kernel path to another)."""
+    return torch.equal(bits_sum(a.float()), bits_sum(b.float())) or bool(a.isnan() & b.isnan())
 
 
 def ranks_where(flag: bool, device: torch.device) -> list[int]:

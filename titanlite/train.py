@@ -211,7 +211,7 @@ def train(trainer: Trainer) -> None:
         log_step = trainer.step == 1 or trainer.step % m.log_freq == 0 or last
         if log_step:
             loss = trainer.global_loss(local_loss)
-            trainer.check_finite(loss)
+            trainer.check_finite(loss if trainer.skipped_steps == skipped else 0.0)  # a skipped step's loss moved no weight
             lr = trainer.lr_schedulers[0].get_last_lr()[0]
             skipped = trainer.skipped_steps if t.skip_nonfinite_steps or trainer.spikes else None
             trainer.metrics.log(trainer.step, loss, grad_norm.item(), lr, trainer.tokens_seen, skipped, trainer.step_extras())
