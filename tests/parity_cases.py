@@ -297,6 +297,21 @@ CASES_L4_4 = {
     "l4_cp2_tp2": chunks(12) + [CP, "2", TP, "2"],
     "l4_hsdp2x2": chunks(12) + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
 }
+# Qwen3 dense: q/k head norms, heads wider than dim / n_heads; the tied flavor's one parameter is both
+# the embedding and the output (TP splits both by vocabulary rows, FSDP holds them in one unit).
+QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
+QWEN3_TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
+CASES_QWEN3_2 = {
+    "qwen3_tied_fsdp2_chunked_loss": QWEN3_TIED + ["--training.loss_chunks", "4"],
+    "qwen3_tied_tp2": QWEN3_TIED + [TP, "2"],
+    "qwen3_tied_cp2": QWEN3_TIED + [CP, "2"],
+    "qwen3_pp2_1f1b": QWEN3 + PP + schedule("1F1B"),
+    # Qwen3-MoE's q/k head norms under TP too (their weights' gradients: sums over every rank's heads).
+    "qwen3_moe_tp2": ["--model.name", "moe", "--model.flavor", "debugmoe_qwen3", TP, "2"],
+}
+CASES_QWEN3_4 = {
+    "qwen3_tied_fsdp2_tp2": QWEN3_TIED + [TP, "2"],
+}
 # Muon: each matrix's update on the whole matrix, gathered from its shards (Newton-Schulz in fp32
 # here: bf16 would round away the differences these cases look for).
 MUON = ["--optimizer.name", "Muon", "--optimizer.ns_dtype", "float32", "--optimizer.lr", "0.02"]
@@ -321,5 +336,5 @@ CASES_MUON_4 = {
     "muon_moe_ep2_fsdp2": MUON + MOE + [EP, "2"],
 }
 
-TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2 | CASES_L4_2 | CASES_MUON_2
-FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4 | CASES_L4_4 | CASES_MUON_4
+TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2 | CASES_L4_2 | CASES_QWEN3_2 | CASES_MUON_2
+FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4 | CASES_L4_4 | CASES_QWEN3_4 | CASES_MUON_4

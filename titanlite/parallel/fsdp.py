@@ -53,9 +53,12 @@ def apply_fsdp(
         and all(p.dtype == param_dtype for p in expert_params)
     )
     shard["ignored_params"] = expert_params if alone else None
-    for module in _present(model, plan.head):
+    head, tail = _present(model, plan.head), _present(model, plan.tail)
+    tied = shares_a_parameter(head, tail)
+    if tied:  # tied embeddings: the head joins the tail's unit, gathered from the first forward on
+        head, tail = [], head + tail
+    for module in head:
         fully_shard(module, reshard_after_forward=reshard_after_forward, **shard)
-    tail = _present(model, plan.tail)
     inner = []  # units inside blocks: split experts, MoE layers under TP
     for module in [*getattr(model, plan.blocks).values(), *tail]:  # MoE layers sit in blocks (and a tail's blocks)
         for mesh, units in ((None if alone else expert_mesh, plan.experts), (moe_mesh, plan.moe_layers)):
@@ -81,7 +84,8 @@ def apply_fsdp(
     # on a CPU the thread that computes a block is the one that would start the gather, so nothing would.
     # A block's own units (experts) come along with it: otherwise they gather at their own forward,
     # right behind expert parallel's host read of the split sizes.
-    units = [*_present(model, plan.head), *getattr(model, plan.blocks).values(), *([tail[0]] if tail else []), *elsewhere]
+    tail_unit = [tail[0]] if tail else []
+    units = [*head, *(tail_unit if tied else []), *getattr(model, plan.blocks).values(), *([] if tied else tail_unit), *elsewhere]
     for i, unit in enumerate(units):
         ahead = nested.get(unit, []) if i == 0 else []  # a first unit's own: no unit before it starts them
         if i + 1 < len(units):
@@ -131,6 +135,11 @@ def experts_placement(expert_params: set, mesh: DeviceMesh):
         return Shard(0)
 
     return placement
+
+
+def shares_a_parameter(modules: list[nn.Module], others: list[nn.Module]) -> bool:
+    mine = {id(p) for m in modules for p in m.parameters()}
+    return any(id(p) in mine for m in others for p in m.parameters())
 
 
 def _present(model: nn.Module, names) -> list[nn.Module]:

@@ -60,10 +60,12 @@ def parallelize(
         converter.convert(model, plan)
 
     if dims.tp_enabled:
+        tied = tied_parameters(model)
         apply_tp(
             model, plan, dims.get_mesh("tp"), p.enable_sequence_parallel, loss_parallel_enabled(dims, config),
             float8_recipe=float8_recipe(f8) if f8 else None,
         )
+        tie(model, tied)
         if p.enable_async_tensor_parallel and device_type != "meta":
             enable_async_tp(dims.get_mesh("tp"), device_type)
 
@@ -108,6 +110,28 @@ def parallelize(
             moe_mesh=data_parallel_mesh(dims, "moe_fsdp") if moe_under_tp else None,
         )
     return model
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules share (tied embeddings), its first name first."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def tie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Tensor parallel gives each module a parameter of its own: the others take the first name's again
+    (the plans shard both alike: the embedding's and the output's vocabulary rows)."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            mine = model.get_parameter(name)
+            if getattr(mine, "placements", None) != getattr(param, "placements", None):
+                raise ConfigError(f"tied parameters {first} and {name} are split differently by tensor parallel "
+                                  f"({getattr(param, 'placements', None)} and {getattr(mine, 'placements', None)}); untie them")
+            setattr(model.get_submodule(owner), attribute, param)
 
 
 def enable_async_tp(tp_mesh, device_type: str) -> None:

@@ -18,6 +18,8 @@ class ModelArgs:
     vocab_size: int = 128256  # 0 = take it from the tokenizer
     multiple_of: int = 1024  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = 1.3
+    dense_hidden_dim: int = 0  # the dense SwiGLU's hidden size as published; 0: from dim, multiple_of, ffn_dim_multiplier
+    tie_embeddings: bool = False  # the output projection is the embedding's weight (Qwen3's small models)
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: bool = True  # Llama 3.1 long-context frequency scaling (Llama 4 Scout's, with its factors)
@@ -56,6 +58,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.dense_hidden_dim:
+            return self.dense_hidden_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -81,10 +85,12 @@ class ModelArgs:
         return self.attention_params + self.feed_forward_params(self.n_layers - 1)
 
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
-        """All weights, or with `active` those one token uses (the routed experts it visits)."""
+        """All weights, or with `active` those one token uses (the routed experts it visits). A tied
+        output is the embedding: counted once, and kept when the embedding is excluded (its matmul runs)."""
         embedding = 0 if exclude_embedding else self.vocab_size * self.dim
         blocks = sum(self.attention_params + self.feed_forward_params(i, active) for i in range(self.n_layers))
-        return embedding + blocks + self.dim + self.dim * self.vocab_size  # + norm, output
+        output = 0 if self.tie_embeddings and not exclude_embedding else self.dim * self.vocab_size
+        return embedding + blocks + self.dim + output  # + norm
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per non-embedding weight it uses (a MoE token: its experts'
@@ -103,6 +109,16 @@ class ModelArgs:
         """Flavors with vocab_size 0 take the tokenizer's, padded to a multiple of 64 so the embedding
         and output split evenly under tensor parallel (and matmuls align)."""
         return self if self.vocab_size else replace(self, vocab_size=-(-tokenizer_vocab // 64) * 64)
+
+
+def check_tied(args: ModelArgs, dims) -> None:
+    """Tied embeddings live on the first and the last pipeline stage at once: refused there (TorchTitan too)."""
+    if args.tie_embeddings and dims.pp > 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp} with tied embeddings (this flavor's output projection is its "
+            "embedding, which the first and last stages would each hold); set it to 1, or add "
+            "tie_embeddings=false to model.flavor_overrides"
+        )
 
 
 def check_heads(args: ModelArgs, tp: int) -> None:
@@ -125,7 +141,6 @@ class MoEArgs(ModelArgs):
     top_k: int = 2
     moe_hidden_dim: int = 512
     n_dense_layers: int = 0  # the first blocks keep a dense FFN of ffn_hidden_dim (DeepSeek's first_k_dense)
-    dense_hidden_dim: int = 0  # that FFN's hidden size; 0: from dim, multiple_of, ffn_dim_multiplier
     score_func: str = "softmax"  # router scores: softmax or sigmoid
     route_norm: bool = False  # renormalize the top-k scores to sum to 1
     route_scale: float = 1.0
@@ -142,10 +157,6 @@ class MoEArgs(ModelArgs):
     aux_loss_type: str = "sequence"
     use_grouped_mm: bool = True  # torch._grouped_mm for the experts (False: an exact loop over experts)
     score_before_experts: bool = False  # the routing weight scales each token's input to its expert (Llama 4), not its output
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        return self.dense_hidden_dim or super().ffn_hidden_dim
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.n_dense_layers
@@ -166,10 +177,10 @@ def check_shapes(args: ModelArgs, heads_from_dim: bool = True) -> None:
     can break them). `heads_from_dim`: attention heads split dim (not MLA's, whose heads have sizes of
     their own)."""
     sizes = ["dim", "n_heads", "n_kv_heads", "multiple_of", "norm_eps", "rope_theta"]
-    counts = ["head_dim_override"]
+    counts = ["head_dim_override", "dense_hidden_dim"]
     if isinstance(args, MoEArgs):
         sizes += ["num_experts", "moe_hidden_dim", "route_scale"]
-        counts += ["num_shared_experts", "n_dense_layers", "dense_hidden_dim"]
+        counts += ["num_shared_experts", "n_dense_layers"]
     for name in sizes:
         if not getattr(args, name) > 0:
             raise ConfigError(f"{name}={getattr(args, name)} must be > 0")

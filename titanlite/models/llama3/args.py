@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from titanlite.errors import ConfigError
-from titanlite.models.common.args import ModelArgs, check_heads, check_overridden, check_shapes
+from titanlite.models.common.args import ModelArgs, check_heads, check_overridden, check_shapes, check_tied
 
 # Meta's published shapes (Llama 3.1); debugmodel follows TorchTitan's, with the tokenizer's vocab.
 LLAMA3_FLAVORS = {
@@ -45,6 +45,7 @@ def check_llama3(args: ModelArgs, dims) -> None:
                 "set it to 1, or choose model.name='moe'"
             )
     check_heads(args, dims.tp)
+    check_tied(args, dims)
 
 
 EXPERT_KEYS = ("moe_grouped_mm", "moe_load_balance_coeff", "moe_aux_loss_coeff", "moe_aux_loss_type")
@@ -59,6 +60,6 @@ def check_config(model, args: ModelArgs) -> None:
         value = getattr(model, name)
         if value != getattr(defaults, name):
             raise ConfigError(
-                f"model.{name}={value!r} applies to MoE models, and model.name='llama3' has no experts; "
+                f"model.{name}={value!r} applies to MoE models, and model.name='{model.name}' has no experts; "
                 "remove it, or choose model.name='moe'"
             )

@@ -54,7 +54,10 @@ def rotary_heads(name: str, n_heads: int, n_kv_heads: int) -> int | None:
 
 
 def to_hf_tensors(name: str, w: torch.Tensor, args: ModelArgs, layer_names: dict = LAYER_NAMES) -> list[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor in its layout) of one titanlite tensor."""
+    """(Hugging Face name, tensor in its layout) of one titanlite tensor; a tied output none (the
+    embedding is saved, and transformers ties lm_head to it)."""
+    if name == "output.weight" and args.tie_embeddings:
+        return []
     if name in TOP_NAMES:
         return [(TOP_NAMES[name], w)]
     layer, rest = LAYER.match(name).groups()
@@ -93,7 +96,7 @@ def transformer_config(args: ModelArgs, dtype: torch.dtype) -> dict:
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
         "attention_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -117,6 +120,7 @@ def expected_config(args: ModelArgs, config: dict) -> dict:
         "hidden_size": (args.dim, None), "num_hidden_layers": (args.n_layers, None),
         "num_attention_heads": (args.n_heads, None), "num_key_value_heads": (args.n_kv_heads, config["num_attention_heads"]),
         "intermediate_size": (args.ffn_hidden_dim, None), "vocab_size": (args.vocab_size, None),
+        "tie_word_embeddings": (args.tie_embeddings, False),
     }
 
 

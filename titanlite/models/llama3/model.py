@@ -46,6 +46,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_block(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:  # one parameter, named tok_embeddings.weight (the first module that holds it)
+            self.output.weight = self.tok_embeddings.weight
         # Not persistent: recomputed after materialization, never checkpointed.
         self.register_buffer("rope", self.rope_table(), persistent=False)
 
@@ -86,9 +88,9 @@ class Transformer(nn.Module):
     def init_std(self, fqn: str) -> float | None:
         """Init std of a parameter by name; None means ones (norm weights)."""
         args, parts = self.args, fqn.split(".")
-        if parts[-2:] == ["tok_embeddings", "weight"]:
+        if parts[-2:] == ["tok_embeddings", "weight"] and not args.tie_embeddings:
             return 1.0
-        if parts[0] == "output":
+        if parts[0] in ("output", "tok_embeddings"):  # a tied embedding starts as the output it also is
             return args.dim**-0.5
         if "norm" in parts[-2]:
             return None
@@ -121,6 +123,8 @@ class Transformer(nn.Module):
         one that keeps only the local shard of a DTensor.
         """
         assign = assign or (lambda param, value: param.copy_(value))
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight  # to_empty gives each module a parameter of its own
         for name, param in self.named_parameters():
             assign(param, self.initial_value(canonical_fqn(name), param.shape, param.device, seed))
         self.rope = self.rope_table(self.rope.device)
@@ -132,7 +136,7 @@ class Transformer(nn.Module):
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.tok_embeddings is not None:
+        if exclude_embedding and self.tok_embeddings is not None and not self.args.tie_embeddings:
             total -= self.tok_embeddings.weight.numel()
         return total
 

@@ -25,16 +25,20 @@ from titanlite.parallel.tensor import FusedColwiseParallel, OutputColwiseParalle
 INPUT_PROJECTIONS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
 
 
-def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset(), fused: bool = False) -> dict:
+def attention_plan(sequence_parallel: bool, float8_inputs: frozenset[str] = frozenset(), fused: bool = False,
+                   qk_norm: bool = False) -> dict:
     """The TP plan of a block's attention half: q/k/v column-wise (and their `fused` matmul), wo
     row-wise; under sequence parallel its norm on the sequence shard and the shard gathered before
-    the projections (in float8 when "attention" is in `float8_inputs`)."""
+    the projections (in float8 when "attention" is in `float8_inputs`). The q/k head norms (Qwen3)
+    see each rank's heads (dim 2): their weights' gradients are partial sums over tp, reduced."""
     plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
     } | ({"attention.qkv": FusedColwiseParallel()} if fused else {})
+    if qk_norm:
+        plan |= {f"attention.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True) for norm in ("q_norm", "k_norm")}
     if sequence_parallel:
         plan |= {
             "attention_norm": SequenceParallel(),
@@ -67,11 +71,15 @@ def _float8_gathers(names: set[str], sequence_parallel: bool) -> dict:
 def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | None) -> dict:
     """The TP plan of one TransformerBlock."""
     float8_inputs = float8_gathered_inputs(block, float8_recipe)
-    return attention_plan(sequence_parallel, float8_inputs, fused_attention(block)) | feed_forward_plan(sequence_parallel, float8_inputs)
+    return attention_plan(sequence_parallel, float8_inputs, fused_attention(block), head_norms(block)) | feed_forward_plan(sequence_parallel, float8_inputs)
 
 
 def fused_attention(block: nn.Module) -> bool:
     return block.attention.qkv is not None
+
+
+def head_norms(block: nn.Module) -> bool:
+    return block.attention.q_norm is not None
 
 
 def float8_gathered_inputs(block: nn.Module, float8_recipe: str | None) -> frozenset[str]:

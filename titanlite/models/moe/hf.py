@@ -18,6 +18,7 @@ from titanlite.errors import ConfigError
 from titanlite.models.common.args import MoEArgs
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.moe.args import check_hf_exportable
+from titanlite.models.qwen3 import hf as qwen3_hf
 
 LAYER_NAMES = llama3_hf.LAYER_NAMES | {"feed_forward.router.gate.weight": "mlp.gate.weight"}
 HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
@@ -61,7 +62,7 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
         "norm_topk_prob": args.route_norm,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(args.n_dense_layers)),
-    } | llama3_hf.transformer_config(args, dtype)
+    } | qwen3_hf.transformer_config(args, dtype)
 
 
 # ---- the adapter the checkpointer calls (ParallelPlan.hf) ----
@@ -74,10 +75,9 @@ def save_hf(read, sizes: dict[str, int], args: MoEArgs, folder: Path, dtype: tor
 
 def check_hf_shapes(config: dict, args: MoEArgs, folder: Path) -> None:
     """ConfigError naming the first config.json value that differs from the model being trained."""
-    expected = llama3_hf.expected_config(args, config) | {
+    expected = qwen3_hf.expected_config(args, config) | {
         "num_experts": (args.num_experts, None), "num_experts_per_tok": (args.top_k, None),
         "moe_intermediate_size": (args.moe_hidden_dim, None),
-        "head_dim": (args.head_dim, config["hidden_size"] // config["num_attention_heads"]),
         "norm_topk_prob": (args.route_norm, False), "mlp_only_layers": (list(range(args.n_dense_layers)), []),
         "decoder_sparse_step": (1, 1),  # every block from n_dense_layers on is a MoE block
     }

@@ -42,7 +42,7 @@ def block_plan(block: nn.Module, sequence_parallel: bool, float8_recipe: str | N
     if not isinstance(block.feed_forward, MoE):
         return llama3_plan.PLAN.block_tp_plan(block, sequence_parallel, float8_recipe)
     gathered = llama3_plan.float8_gathered_inputs(block, float8_recipe)
-    return llama3_plan.attention_plan(sequence_parallel, gathered, llama3_plan.fused_attention(block)) | {
+    return llama3_plan.attention_plan(sequence_parallel, gathered, llama3_plan.fused_attention(block), llama3_plan.head_norms(block)) | {
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
     }
 
