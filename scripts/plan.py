@@ -6,6 +6,7 @@
     python scripts/plan.py --model 8B --gpu H100 --gpus 8 --layout dp_shard=8,ac=op   # one layout, estimated
     python scripts/plan.py --model deepseek_v3_671B --gpu H100 --gpus 1024 --seq-len 4096 --global-batch 8192
     python scripts/plan.py --model llama4_17bx128e --gpu GB200 --gpus 256 --global-batch 1024
+    python scripts/plan.py --model qwen3_8B --gpu H100 --gpus 8 --seq-len 4096 --global-batch 64
 
 Ranks the layouts that fit by estimated step time and explains the winner against the nearest
 alternatives (see titanlite/planner/cost_model.py for the model and its constants; docs/planner.md for how
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # plan.py's model names: (family, flavor) of titanlite's published shapes.
 MODELS = {prefix + flavor: (family, flavor)
-          for family, prefix in (("llama3", ""), ("moe", ""), ("deepseek_v3", "deepseek_v3_"), ("llama4", "llama4_"))
+          for family, prefix in (("llama3", ""), ("qwen3", "qwen3_"), ("moe", ""), ("deepseek_v3", "deepseek_v3_"), ("llama4", "llama4_"))
           for flavor in FAMILIES[family].flavors if "debug" not in flavor}
 PUBLISHED = REPO / "docs" / "published_runs.jsonl"
 

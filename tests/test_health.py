@@ -29,15 +29,11 @@ def rows(folder) -> list[dict]:
 
 def test_a_spike_is_named_by_rank_and_its_update_skipped(corpus_jsonl, tmp_path):
     """FSDP 2, rank 1's batch at step 7 makes logits 100x: found against 6 steps of history, rank 1
-    named, the replay puts it down to the data, the update is skipped, and the run ends with finite
-    losses."""
-    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "10", "--health.spike_window", "6", "--health.replay",
+    named, the update skipped, and the run ends with finite losses."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "10", "--health.spike_window", "6",
                      "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1")
     out = torchrun(2, tmp_path, *args)
     assert out.returncode == 0, out.stderr[-3000:]
-    # The replay reproduces it, and rank 0 recomputing rank 1's batch gets the same bits: the data.
-    assert ("step 7: replay reproduces the result, and rank 1 (" in out.stdout
-            and "'s batch recomputed on another rank gives the same bits: the data" in out.stdout), out.stdout[-3000:]
     spikes = re.findall(r"step (\d+): spike: [^\n]*?rank (\d) \([^)]*\) holds the largest part (of the [a-z' ]+); update skipped", out.stdout)
     assert set(spikes) == {("7", "1", "of the loss")}, out.stdout[-3000:]  # (each rank prints it)
     assert "a spike at step 7: optimizer step skipped (1 skipped so far)" in out.stdout
@@ -195,22 +191,54 @@ def test_a_poisoned_batch_that_makes_the_loss_nan_is_put_down_to_the_data_and_sk
                      "nan_batch", "--fault_injection.step", "6", "--fault_injection.rank", "0")
     out = torchrun(2, tmp_path, *args)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "step 6: replay reproduces the result, and rank 0 (" in out.stdout, out.stdout[-3000:]
+    assert "step 6: replay reproduces the result, and every data-parallel rank's batch recomputed" in out.stdout, out.stdout[-3000:]
     assert "a non-finite result of the data at step 6: optimizer step skipped (1 skipped so far)" in out.stdout
     losses = [r["loss"] for r in rows(tmp_path) if "loss" in r]
     assert len(losses) == 8 and math.isnan(losses[5]) and all(math.isfinite(x) for x in losses[:5] + losses[6:])
 
 
-def test_a_fault_that_repeats_on_one_rank_is_named_persistent_and_stops_the_run(corpus_jsonl, tmp_path):
-    """FSDP 2, health.replay: rank 1's logits are 100x at step 7 whatever batch it computes. The replay
-    reproduces the spike; rank 0, recomputing rank 1's batch, gets other bits: a persistent fault of rank 1,
-    named in one line, exit 1."""
+def test_a_spiked_batch_is_put_down_to_the_data_by_the_replay(corpus_jsonl, tmp_path):
+    """FSDP 2, health.replay: rank 1's batch at step 7 makes logits 100x wherever it is computed. The
+    replay reproduces the spike, and each rank's batch recomputed (forward only) on the other gives the
+    bits it gives at home: the data. The update is skipped and the run goes on."""
+    args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--health.spike_window", "6", "--health.replay",
+                     "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1")
+    out = torchrun(2, tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("step 7: replay reproduces the result, and every data-parallel rank's batch recomputed on the next gives "
+            "the same bits there: the data") in out.stdout, out.stdout[-3000:]
+    assert "a spike at step 7: optimizer step skipped (1 skipped so far)" in out.stdout
+    assert [r["health_replay_data"] for r in rows(tmp_path) if "health_replay_data" in r] == [1.0]
+
+
+def test_a_spike_kept_after_the_replay_trains_on_as_a_run_without_the_replay(corpus_jsonl, tmp_path):
+    """FSDP 2, spike_policy = warn: the spiked batch's update is kept. With health.replay (a replay, a
+    forward-only recompute on the other rank) every logged loss and grad norm is bitwise that of the
+    same run without it: the replay only classifies."""
+    common = ["--training.steps", "9", "--health.spike_window", "6", "--health.spike_policy", "warn",
+              "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1"]
+    replayed, plain = tmp_path / "replayed", tmp_path / "plain"
+    out = torchrun(2, replayed, *tiny_args(corpus_jsonl, replayed, *common, "--health.replay"))
+    assert out.returncode == 0 and "step 7: replay reproduces the result" in out.stdout, out.stderr[-3000:]
+    assert torchrun(2, plain, *tiny_args(corpus_jsonl, plain, *common)).returncode == 0
+    logged = lambda folder: [[r[k] for k in ("step", "loss", "grad_norm")] for r in rows(folder) if "loss" in r]
+    assert len(logged(plain)) == 9 and logged(replayed) == logged(plain)
+
+
+@pytest.mark.parametrize("world, named", [
+    (2, "rank 1 \\([^)]*\\) \\(whose result spiked"),  # 2 ranks: rank 1's mismatches are rank 0's too
+    (3, "rank 1 \\([^)]*\\); training stopped"),  # 3: only rank 1 is in two mismatches
+], ids=["2_ranks", "3_ranks"])
+def test_a_fault_that_repeats_on_one_rank_is_named_persistent_and_stops_the_run(world, named, corpus_jsonl, tmp_path):
+    """FSDP, health.replay: rank 1's logits are 100x at step 7 whatever batch it computes. The replay
+    reproduces the spike; recomputed on the next rank, the batches rank 1 computed give other bits:
+    a persistent fault of rank 1, named in one line, exit 1."""
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--health.spike_window", "6", "--health.replay",
                      "--fault_injection.kind", "spike_rank", "--fault_injection.step", "7", "--fault_injection.rank", "1")
-    out = torchrun(2, tmp_path, *args)
+    out = torchrun(world, tmp_path, *args)
     assert out.returncode == 1, out.stderr[-3000:]
-    assert re.search(r"titanlite: step 7: rank 1 \([^)]*\) gives the same suspect result again, but its batch recomputed "
-                     r"on rank 0 \([^)]*\) gives other bits: a persistent fault of rank 1", out.stderr), out.stderr[-3000:]
+    assert re.search(r"titanlite: step 7: the replay reproduces the result, but recomputed on the next data-parallel rank "
+                     r"the batches rank 1 \([^)]*\) computed give other bits: a persistent fault of " + named, out.stderr), out.stderr[-3000:]
 
 
 def test_a_flipped_weight_in_one_replica_is_found_and_healed(corpus_jsonl, tmp_path):

@@ -4,24 +4,27 @@ a step whose loss or grad norm spiked or is not finite runs again on the same da
 - The replay differs, bit for bit, from the first result on some ranks (their loss part or the bits of
   their gradient pieces): a transient fault there. Those ranks and hosts are named; the first result
   is dropped and the replay's kept (checked for a spike again, without another replay).
-- It reproduces: the data, or a fault that repeats. The suspect (the rank SpikeGuard names: the
-  largest part of the loss or gradients) has its batch recomputed by the next data-parallel rank, as
-  Megatron reruns from a checkpoint on another GPU; every data-parallel rank takes its neighbour's
-  batch, as their collectives need. The same loss bits: the data (the step is skipped, a spike as
-  spike_policy says). Other bits: a persistent fault of the suspect's device, named; the run stops.
+- It reproduces: the data, or a fault that repeats. Every data-parallel rank computes its own batch
+  and the previous rank's, forward only (as Megatron reruns from a checkpoint on another GPU), and
+  compares the second with that rank's own bit for bit. All the same: the data (the step is skipped,
+  a spike as spike_policy says). Otherwise the rank in most mismatches (its own batch and the one it
+  checked) is named a persistent fault; the run stops.
 
 It compares bits, so the kernels must give the same bits each run (debug.deterministic on a GPU).
 What is compared is each rank's own loss part and gradient pieces: under FSDP a fault in a rank's
 backward shows in the piece a reduce-scatter brings to its owner, and the recompute elsewhere runs the
-forward alone (a fault only in the backward is taken for the data there).
+forward alone (a fault only in the backward is taken for the data there). Under tensor or pipeline
+parallel the ranks that compute a batch together are named together.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from titanlite.dtensors import local
 from titanlite.errors import ConfigError, TrainingDiverged
@@ -35,9 +38,10 @@ class HardwareFault(TrainingDiverged):
 
 class Replay:
     def __init__(self, config, device: torch.device, metrics, hosts: list[str]):
-        if device.type == "cuda" and not config.debug.deterministic:
+        d = config.debug
+        if device.type == "cuda" and (not d.deterministic or d.deterministic_warn_only):
             raise ConfigError("health.replay=true compares a step's bits with its replay's, and this GPU's kernels may "
-                              "differ run to run; set debug.deterministic=true")
+                              "differ run to run; set debug.deterministic=true (and deterministic_warn_only=false)")
         self.metrics, self.hosts = metrics, hosts
         self.seconds = 0.0  # spent replaying since the goodput clock last took it
 
@@ -57,16 +61,16 @@ class Replay:
                 self.metrics.log_event(trainer.step, {"health_replay_data": 1.0}, f"step {trainer.step}: replay reproduces "
                                        "the result; no other data-parallel rank to recompute it on: taken for the data")
                 return "data"
-            checker = self.recompute_elsewhere(trainer, local_loss, suspect)
-            if checker is None:
+            faulty, why = self.recompute_elsewhere(trainer, suspect)
+            if not faulty:
                 self.metrics.log_event(trainer.step, {"health_replay_data": 1.0},
-                                       f"step {trainer.step}: replay reproduces the result, and {self.named([suspect])}'s "
-                                       "batch recomputed on another rank gives the same bits: the data")
+                                       f"step {trainer.step}: replay reproduces the result, and every data-parallel rank's "
+                                       "batch recomputed on the next gives the same bits there: the data")
                 return "data"
             raise HardwareFault(
-                f"step {trainer.step}: {self.named([suspect])} gives the same suspect result again, but its batch "
-                f"recomputed on {self.named([checker])} gives other bits: a persistent fault of {self.named([suspect])}'s "
-                "device; training stopped. Leave that host out and resume from the last checkpoint")
+                f"step {trainer.step}: the replay reproduces the result, but recomputed on the next data-parallel rank the "
+                f"batches {self.named(faulty)} computed give other bits: a persistent fault of {self.named(faulty)}{why}; "
+                "training stopped. Leave that host out and resume from the last checkpoint")
         finally:
             self.seconds += time.perf_counter() - began
 
@@ -74,8 +78,8 @@ class Replay:
         """The step's forward and backward again, on the same microbatches; the ranks whose result changed."""
         params = trainer.parameters()
         first = fingerprint(local_loss, params)
-        for opt in trainer.optimizers:
-            opt.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
         for layer in trainer.moe_layers:  # the counts start again: the replay's routing is the one kept
             layer.tokens_per_expert.zero_()
             layer.aux_loss_sum.zero_()
@@ -93,29 +97,42 @@ class Replay:
                 trainer.balance = trainer.expert_balance()
         return changed
 
-    def recompute_elsewhere(self, trainer, local_loss: torch.Tensor, suspect: int) -> int | None:
-        """Each data-parallel rank's batch, forward only, on the next data-parallel rank; the rank that
-        recomputed the suspect's batch when its loss bits differ from the suspect's own, else None."""
+    def recompute_elsewhere(self, trainer, suspect: int) -> tuple[list[int], str]:
+        """Forward only, without gradients, on every data-parallel rank: its own batch, then the previous
+        rank's (a ring: each sends its batch and its loss bits to the next), compared bit for bit. A rank
+        that computes wrong is in two mismatches (its own batch and the one it checked), its neighbours
+        in one: the ranks in most are named. Where all tie (2 data-parallel ranks) the suspect is, as
+        Megatron trusts the GPU it reruns on. ([] when every batch agrees, what the naming rests on)."""
         group = trainer.batch_group
         ranks = dist.get_process_group_ranks(group)
         me = ranks.index(dist.get_rank())
-        batches = torch.stack([torch.stack(pair) for pair in trainer.microbatches])  # (accumulation, 2, batch, seq)
-        every = [torch.empty_like(batches) for _ in ranks]
-        dist.all_gather(every, batches, group=group)
-        source = (me - 1) % len(ranks)
+        after, before = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+        mine = torch.stack([torch.stack(pair) for pair in trainer.microbatches])  # (accumulation, 2, batch, seq)
         mtp_loss = trainer.mtp_loss.clone()
-        trainer.injector.origin = ranks[source]
         try:
-            with torch.no_grad():
-                recomputed = trainer.compute_gradients([(pair[0], pair[1]) for pair in every[source]], backward=False)
+            own = forward_only(trainer, mine, dist.get_rank())
+            theirs, their_loss = torch.empty_like(mine), torch.empty_like(own)
+            ops = [dist.P2POp(dist.isend, mine, after, group), dist.P2POp(dist.isend, own, after, group),
+                   dist.P2POp(dist.irecv, theirs, before, group), dist.P2POp(dist.irecv, their_loss, before, group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            recomputed = forward_only(trainer, theirs, before)
         finally:
-            trainer.injector.origin = dist.get_rank()
             trainer.mtp_loss.copy_(mtp_loss)
-        own = [torch.zeros_like(local_loss) for _ in ranks]  # each rank's first loss part
-        dist.all_gather(own, local_loss.detach().clone(), group=group)
-        differs = ranks[source] == suspect and not same(recomputed, own[source])
-        checker = ranks_where(differs, local_loss.device)
-        return checker[0] if checker else None
+            for module in (m for part in trainer.model_parts for m in part.modules() if isinstance(m, FSDPModule)):
+                module.reshard()  # a forward without backward leaves units that keep their gathered weights so
+        mismatches = gathered([float(not same(recomputed, their_loss)), float(before)], own.device)
+        involved = Counter()
+        for rank, (differs, source) in enumerate(mismatches):
+            if differs:
+                involved.update([rank, int(source)])
+        if not involved:
+            return [], ""
+        most = max(involved.values())
+        faulty = sorted(rank for rank, count in involved.items() if count == most)
+        if len(faulty) == len(involved):
+            return [suspect], " (whose result spiked: the recompute cannot tell it from the rank that checked it)"
+        return faulty, ""
 
     def take_seconds(self) -> float:
         """The time spent replaying since the last call (the goodput clock counts it apart)."""
@@ -133,13 +150,29 @@ def fingerprint(loss: torch.Tensor, params) -> torch.Tensor:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same bits, or both NaN (a NaN's sign and payload may differ from one kernel path to another)."""
-    return torch.equal(bits_sum(a.float()), bits_sum(b.float())) or bool(a.isnan() & b.isnan())
+    """The same bits (a NaN's too: the same computation gives the same NaN)."""
+    return torch.equal(bits_sum(a.float()), bits_sum(b.float()))
+
+
+def forward_only(trainer, batches: torch.Tensor, origin: int) -> torch.Tensor:
+    """The loss part of (accumulation, 2, batch, seq) microbatches, forward only, without gradients;
+    `origin`: the rank whose batch it is (a drill's poisoned batch follows it)."""
+    trainer.injector.origin = origin
+    try:
+        with torch.no_grad():
+            return trainer.compute_gradients([(pair[0], pair[1]) for pair in batches], backward=False).float().reshape(1)
+    finally:
+        trainer.injector.origin = dist.get_rank()
+
+
+def gathered(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (one all-gather over the world)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.tolist() for t in every]
 
 
 def ranks_where(flag: bool, device: torch.device) -> list[int]:
-    """The global ranks where `flag` holds (one all-gather over the world)."""
-    mine = torch.tensor([float(flag)], device=device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [r for r, f in enumerate(every) if f.item()]
+    """The global ranks where `flag` holds."""
+    return [rank for rank, (value,) in enumerate(gathered([float(flag)], device)) if value]

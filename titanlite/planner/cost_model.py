@@ -220,7 +220,7 @@ def estimate(
     # embedding and output (AdamW's beside it) keep theirs.
     optimizer_dense, optimizer_experts = 8.0, 8.0
     if L.muon:
-        adamw_share = min(1.0, model.vocab_size * model.dim * (2 if L.pp == 1 else 1) / dense)
+        adamw_share = min(1.0, model.vocab_size * model.dim * (2 if L.pp == 1 and not model.tie_embeddings else 1) / dense)
         optimizer_dense, optimizer_experts = 4 + 4 * adamw_share, 4.0
     if L.zero1:
         est.memory["states"] = ((6 + (4 + optimizer_dense) / (L.dp_replicate * fsdp)) * dense / L.tp

@@ -28,7 +28,7 @@ def candidate_layouts(model: ModelArgs, seq_len: int, global_batch: int, gpu: GP
     layouts = []
     experts = model.num_experts if isinstance(model, MoEArgs) else 1
     for tp, pp, cp in product(powers_of_two(min(gpu.nvlink_domain, model.n_kv_heads)), powers_of_two(16), powers_of_two(16)):
-        if n_gpus % (tp * pp * cp) or (pp > 1 and model.n_layers < 2 * pp) or (cp > 1 and seq_len < 8192):
+        if n_gpus % (tp * pp * cp) or (pp > 1 and (model.n_layers < 2 * pp or model.tie_embeddings)) or (cp > 1 and seq_len < 8192):
             continue
         dp = n_gpus // (tp * pp * cp)
         replicas = [1] + [r for r in powers_of_two(dp) if r > 1 and dp // r * tp * pp * cp >= gpu.nvlink_domain]
