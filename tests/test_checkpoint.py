@@ -411,8 +411,9 @@ def test_hugging_face_import_picks_the_family_by_model_type(tmp_path):
 
     assert family_of_hf_model("llama", tmp_path) is FAMILIES["llama3"]
     assert family_of_hf_model("qwen3_moe", tmp_path) is FAMILIES["moe"]
+    assert family_of_hf_model("qwen3", tmp_path) is FAMILIES["qwen3"]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_attention_heads": 4}))
-    with pytest.raises(ConfigError, match="model_type='gpt2', which no titanlite family maps; use a model of one of: llama, qwen3_moe, deepseek_v3"):
+    with pytest.raises(ConfigError, match="model_type='gpt2', which no titanlite family maps; use a model of one of: llama, qwen3, qwen3_moe, deepseek_v3"):
         load_hf(tmp_path)
 
 

@@ -33,6 +33,18 @@ def test_flavors_have_the_published_sizes(flavor, total, non_embedding):
     assert (model.output.weight is model.tok_embeddings.weight) == (flavor in ("0.6B", "1.7B", "4B"))
 
 
+def test_a_tied_model_built_on_meta_stays_tied_through_materialization():
+    """The trainer's path: built on the meta device, to_empty (which gives each module a parameter of
+    its own), init_weights: one parameter again, holding the output's initialization."""
+    model = build_model("qwen3", model_args("qwen3", "debugmodel_tied", 320, 64))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert [name for name, _ in model.named_parameters()].count("tok_embeddings.weight") == 1
+    assert "output.weight" not in dict(model.named_parameters())
+    assert model.output.weight.std().item() == pytest.approx(256**-0.5, rel=0.05)  # the output's dim**-0.5, not the embedding's 1
+
+
 def tiny_config(tied: bool) -> "transformers.Qwen3Config":
     # Heads of 32 over a hidden size of 64 (4 heads): wider than hidden / heads, as Qwen3's are.
     return transformers.Qwen3Config(
