@@ -39,7 +39,8 @@ from parity_cases import CASES_8, EXTENDED, FOUR_RANKS, TWO_RANKS
 
 STEPS = 4
 VALIDATION_STEPS = 2
-KEYS = ("init", "loss", "mtp_loss", "grad", "grad_l2", "grad_norm", "param", "expert_bias", "validation", "separate_projection_calls")
+KEYS = ("init", "loss", "mtp_loss", "grad", "grad_l2", "grad_norm", "param", "expert_bias", "validation", "separate_projection_calls",
+        "untied_forwards")
 # Free-running bounds (over 4 steps, lr 8e-4). Two 1-process runs that differ only in the order of
 # summation (the batch as one or as two accumulated microbatches) drift by 1e-6 in loss, 8e-7 in a
 # gradient (relative L2), 8e-8 in the grad norm (relative) and 2e-6 in a weight; the free-running
@@ -148,6 +149,10 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
     # Compiled blocks would trace the counting hooks; the eager cases cover the same model code.
     watch_projections = config.model.fused_projections and not config.compile.enable
     unfused_calls = separate_projection_calls(trainer.model_parts) if watch_projections else Counter()
+    # Tied embeddings: the output's forward sees the embedding's very weight (one parameter, gathered once).
+    untied = [part.output.register_forward_pre_hook(lambda m, i, part=part: untied_forwards.append(m.weight is not part.tok_embeddings.weight))
+              for part in trainer.model_parts if part.args.tie_embeddings]
+    untied_forwards = []
 
     # Separate projections: a layout's fused ones (model.fused_projections) must give the same results.
     reference = trainer.plan.build(replace(trainer.model_parts[0].args, fused_projections=False))
@@ -276,6 +281,9 @@ def parity_case(dataset: str, dump_folder: str, overrides: list[str], free_runni
             tokens += y.numel()
     record("validation", abs(val_loss - loss_sum / tokens), "validation")
     record("separate_projection_calls", sum(unfused_calls.values()), ", ".join(sorted(unfused_calls)))
+    record("untied_forwards", sum(untied_forwards), "the output's forward")
+    for hook in untied:
+        hook.remove()
 
     # Each rank compared its own shards: the worst over all ranks decides (NaN was recorded as inf).
     values = torch.tensor([worst[k] for k in KEYS], dtype=torch.float64)
@@ -333,6 +341,7 @@ def check(results: list[dict]) -> None:
             where = f"{case} rank {rank}"
             assert worst["init"] == 0.0, f"{where}: initial weights differ: {worst}"
             assert worst["separate_projection_calls"] == 0, f"{where}: fused projections configured, separate ones ran: {worst}"
+            assert worst["untied_forwards"] == 0, f"{where}: a tied output ran on a weight of its own: {worst}"
             assert worst["validation"] < 1e-5, f"{where}: validation loss differs: {worst}"
             if case.startswith("free_"):
                 for key, bound in FREE_RUNNING.items():
