@@ -133,3 +133,17 @@ def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = N
         logits = model.output(h)[:, : s - k]
         depths.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
     return own + weight / len(depths) * sum(depths), own
+
+
+def random_hf_model(model_class, config):
+    """A transformers model of `config` in eval mode, seeded, its norm weights drawn from [0.5, 1.5]
+    (away from 1, so a norm misplaced or ignored on our side shows in the logits)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model

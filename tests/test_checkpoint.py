@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, run_command, tiny_args
+from helpers import REPO, random_hf_model, run_command, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -434,12 +434,7 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
         num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, mlp_only_layers=[0],
         rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps, initializer_range=0.1,  # wide enough to spread the routing
     )
-    torch.manual_seed(0)
-    reference = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():  # norms away from 1, so a misplaced q/k norm permutation shows
-        for name, p in reference.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    reference = random_hf_model(transformers.Qwen3MoeForCausalLM, config)  # a misplaced q/k norm permutation shows
     reference.save_pretrained(str(tmp_path / "hf"))
     convert = [sys.executable, str(REPO / "scripts" / "convert_hf.py")]
     out = run_command([*convert, "from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")], cwd=REPO)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, run_command, tiny_args
+from helpers import REPO, random_hf_model, run_command, tiny_args
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import build_model, model_args
 
@@ -74,12 +74,8 @@ def our_args(config, **overrides):
 
 
 def random_reference(config):
-    torch.manual_seed(0)
-    reference = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():  # norms away from 1 and a nonzero expert bias, so misplaced ones show
-        for name, p in reference.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    reference = random_hf_model(transformers.DeepseekV3ForCausalLM, config)
+    with torch.no_grad():  # and a nonzero expert bias, so a misplaced one shows
         for name, b in reference.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)

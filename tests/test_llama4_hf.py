@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers import random_hf_model
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import FAMILIES, family_of_hf_model, model_args
 
@@ -113,12 +114,7 @@ def test_transformers_model_imports_with_its_logits(variant, tmp_path):
     from titanlite.models.hf import load_hf
     from titanlite.models.llama4.model import Llama4Transformer
 
-    torch.manual_seed(0)
-    reference = transformers.Llama4ForCausalLM(hf_config(variant)).eval()
-    with torch.no_grad():
-        for name, p in reference.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    reference = random_hf_model(transformers.Llama4ForCausalLM, hf_config(variant))
     reference.save_pretrained(str(tmp_path / "hf"))
     ours = Llama4Transformer(our_args(variant)).eval()
     ours.load_state_dict(load_hf(tmp_path / "hf"))  # strict: every weight and buffer of ours

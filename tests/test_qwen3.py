@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import tiny_args
+from helpers import random_hf_model, tiny_args
 from titanlite.models import build_model, model_args
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
@@ -71,12 +71,7 @@ def test_transformers_logits_through_the_import_and_back_through_the_export(tied
     from titanlite.models.llama3.model import Transformer
     from titanlite.models.qwen3.hf import save_hf
 
-    torch.manual_seed(0)
-    reference = transformers.Qwen3ForCausalLM(tiny_config(tied)).eval()
-    with torch.no_grad():
-        for name, p in reference.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    reference = random_hf_model(transformers.Qwen3ForCausalLM, tiny_config(tied))
     reference.save_pretrained(str(tmp_path / "hf"))
     ours = Transformer(our_args(tied)).eval()
     imported = load_hf(tmp_path / "hf")
