@@ -95,7 +95,9 @@ def test_a_whole_host_dies_and_its_group_heals_across_hosts(hosts, corpus_jsonl,
     finally:
         hosts.kill_all()
     survivor, back = logged(folders[0]), logged(folders[2])
-    assert [r["step"] for r in survivor] == list(range(1, steps + 1))
+    # Each step once from where it joined: host 0's group starts at step 1, or, started later than
+    # host 1's on a loaded machine, heals from it a few steps in (a fresh-clone run here: at step 5).
+    assert survivor[0]["step"] <= killed_at and [r["step"] for r in survivor] == list(range(survivor[0]["step"], steps + 1))
     assert any(r["ft_replicas"] == 1 for r in survivor if r["step"] > killed_at), survivor
     assert killed_at < back[0]["step"] < steps and all(r["ft_participating"] == 1 for r in back)
     first, second = final_state(folders[0], steps), final_state(folders[2], steps)
