@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from titanlite.dtensors import local
 from titanlite.errors import ConfigError, TrainingDiverged
 from titanlite.health import bits_sum
+from titanlite.models.common.moe import clear_counts
 from titanlite.optim.clip import clip_grad_norm_, reduce_partial_grads
 
 
@@ -80,9 +81,7 @@ class Replay:
         first = fingerprint(local_loss, params)
         for p in params:
             p.grad = None
-        for layer in trainer.moe_layers:  # the counts start again: the replay's routing is the one kept
-            layer.tokens_per_expert.zero_()
-            layer.aux_loss_sum.zero_()
+        clear_counts(trainer.moe_layers)  # the replay's routing is the one kept
         for opt in trainer.optimizers:
             if getattr(opt, "qk_clip", None):
                 opt.qk_clip.reset()

@@ -306,5 +306,11 @@ def update_expert_bias(layers: list[MoE], counts: torch.Tensor) -> None:
         if layer.load_balance_coeff:
             delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
             layer.expert_bias += (delta - delta.mean()).float()
+    clear_counts(layers)
+
+
+def clear_counts(layers: list[MoE]) -> None:
+    """The step's counts and aux loss start again from zero."""
+    for layer in layers:
         layer.tokens_per_expert.zero_()
         layer.aux_loss_sum.zero_()

@@ -4,6 +4,8 @@ RoPE theta 1e6 unscaled; 0.6B, 1.7B and 4B tie the output projection to the embe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from titanlite.models.common.args import ModelArgs
 
 
@@ -15,16 +17,14 @@ def _qwen3(dim: int, n_layers: int, n_heads: int, hidden: int, tied: bool) -> Mo
     )
 
 
+# Heads wider than dim / n_heads (8 x 64 against 256), as Qwen3's are; the vocabulary is the tokenizer's.
+DEBUG = ModelArgs(
+    dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=64, qk_norm=True, dense_hidden_dim=768,
+    vocab_size=0, norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False,
+)
 QWEN3_FLAVORS = {
-    # Heads wider than dim / n_heads (8 x 64 against 256), as Qwen3's are; the vocabulary is the tokenizer's.
-    "debugmodel": ModelArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=64, qk_norm=True, dense_hidden_dim=768,
-        vocab_size=0, norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False,
-    ),
-    "debugmodel_tied": ModelArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=64, qk_norm=True, dense_hidden_dim=768,
-        tie_embeddings=True, vocab_size=0, norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=False,
-    ),
+    "debugmodel": DEBUG,
+    "debugmodel_tied": replace(DEBUG, tie_embeddings=True),
     "0.6B": _qwen3(1024, 28, 16, 3072, tied=True),
     "1.7B": _qwen3(2048, 28, 16, 6144, tied=True),
     "4B": _qwen3(2560, 36, 32, 9728, tied=True),
