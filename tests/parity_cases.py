@@ -312,6 +312,22 @@ CASES_QWEN3_2 = {
 CASES_QWEN3_4 = {
     "qwen3_tied_fsdp2_tp2": QWEN3_TIED + [TP, "2"],
 }
+# gpt-oss (debugmodel: sinks, biases, YaRN, top-4 of 8 clamped experts). Windows of 6 over seq_len 32
+# cross chunk boundaries: under CP 2 the head-tail pieces hold 8 tokens, and each needs the last 5
+# of the piece before it (another rank's, but for the middle pair).
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--model.flavor_overrides", "sliding_window=6"]
+CASES_GPT_OSS_2 = {
+    "gpt_oss_tp2": GPT_OSS + [TP, "2"],
+    "gpt_oss_cp2": GPT_OSS + [CP, "2"],
+    "gpt_oss_pp2_1f1b": GPT_OSS + PP + schedule("1F1B"),
+    # Windows within documents: block-causal masks with positions restarting at each document.
+    "gpt_oss_doc_fsdp2_compile_ac_chunked_loss": GPT_OSS + BC_RESET + [
+        "--compile.enable", "--activation_checkpoint.mode", "selective", "--training.loss_chunks", "4"],
+    "gpt_oss_doc_cp2_alltoall": GPT_OSS + BC_RESET + [CP, "2", *ALLTOALL],
+}
+CASES_GPT_OSS_4 = {
+    "gpt_oss_fsdp2_ep2": GPT_OSS + [EP, "2"],
+}
 # Muon: each matrix's update on the whole matrix, gathered from its shards (Newton-Schulz in fp32
 # here: bf16 would round away the differences these cases look for).
 MUON = ["--optimizer.name", "Muon", "--optimizer.ns_dtype", "float32", "--optimizer.lr", "0.02"]
@@ -336,5 +352,5 @@ CASES_MUON_4 = {
     "muon_moe_ep2_fsdp2": MUON + MOE + [EP, "2"],
 }
 
-TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2 | CASES_L4_2 | CASES_QWEN3_2 | CASES_MUON_2
-FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4 | CASES_L4_4 | CASES_QWEN3_4 | CASES_MUON_4
+TWO_RANKS = CASES_2 | CASES_PP2 | CASES_CP2 | CASES_MOE_2 | CASES_DOC_2 | CASES_DSV3_2 | CASES_L4_2 | CASES_QWEN3_2 | CASES_GPT_OSS_2 | CASES_MUON_2
+FOUR_RANKS = CASES_4 | CASES_CP4 | CASES_MOE_4 | CASES_DOC_4 | CASES_DSV3_4 | CASES_L4_4 | CASES_QWEN3_4 | CASES_GPT_OSS_4 | CASES_MUON_4

@@ -10,7 +10,7 @@ import torch
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import build_model, model_args
 from titanlite.models.moe.args import MOE_FLAVORS, check_moe
-from titanlite.models.common.moe import MoE, global_balance, grouped_swiglu, looped_swiglu, set_batch, update_expert_bias
+from titanlite.models.common.moe import MoE, global_balance, swiglu_experts, set_batch, update_expert_bias
 from titanlite.models.moe.model import MoETransformer
 from titanlite.parallel.dims import ParallelDims
 
@@ -46,7 +46,7 @@ def test_grouped_matmul_equals_the_loop_over_experts():
     w1, w2, w3 = (w.transpose(-2, -1) for w in weights)
     grad_out = torch.randn(x.shape[0], w2.shape[-1])
     results = []
-    for run in (lambda: looped_swiglu(x, counts, w1, w2, w3), lambda: grouped_swiglu(x, counts, w1, w2, w3)):
+    for run in (lambda: swiglu_experts(x, counts, w1, w2, w3, "loop"), lambda: swiglu_experts(x, counts, w1, w2, w3, "grouped")):
         out = run()
         grads = torch.autograd.grad(out, (x, *weights), grad_out)
         results.append((out, *grads))

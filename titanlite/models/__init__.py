@@ -1,6 +1,6 @@
 """Model registry: [model] name -> ModelFamily; + flavor -> ModelArgs -> nn.Module.
 
-One folder per family (llama3/, qwen3/, moe/, deepseek_v3/, llama4/), each registering a ModelFamily; layers they share sit in
+One folder per family (llama3/, qwen3/, moe/, deepseek_v3/, llama4/, gpt_oss/), each registering a ModelFamily; layers they share sit in
 common/. Torch-free: the config and run_train.sh's checks read the families' flavors and checks.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from titanlite.errors import ConfigError
-from titanlite.models import deepseek_v3, llama3, llama4, moe, qwen3
+from titanlite.models import deepseek_v3, gpt_oss, llama3, llama4, moe, qwen3
 from titanlite.models.common.args import ModelArgs, MoEArgs, with_overrides
 from titanlite.models.family import ModelFamily
 
-FAMILIES = {family.name: family for family in (llama3.FAMILY, qwen3.FAMILY, moe.FAMILY, deepseek_v3.FAMILY, llama4.FAMILY)}
+FAMILIES = {family.name: family for family in (llama3.FAMILY, qwen3.FAMILY, moe.FAMILY, deepseek_v3.FAMILY, llama4.FAMILY, gpt_oss.FAMILY)}
 
 
 def family_of_hf_model(model_type: str | None, folder) -> ModelFamily:

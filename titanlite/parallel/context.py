@@ -13,7 +13,9 @@ APIs (looked up where 2.11-2.15 keep them); the parity tests pin their behaviour
 
 Document-masked (block_causal) attention: torch's ring takes no mask, so `apply_cp` swaps each
 block's core attention (models/common/attention.py's CoreAttention, which every family's attention calls)
-for `RingAttention`, which runs titanlite's document ring (parallel/document_ring.py).
+for `RingAttention`, which runs titanlite's document ring (parallel/document_ring.py). Sliding-window
+layers (gpt-oss) fetch only the keys their window reaches (parallel/window_halo.py); attention sinks
+rescale by the ring's log-sum-exp.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from titanlite.models.common.attention import CoreAttention, DocumentMask
 from titanlite.parallel.activation_checkpoint import ForwardReplay
+from titanlite.models.common.sinks import rescaled_by_sinks
 from titanlite.parallel.document_ring import document_ring
+from titanlite.parallel.window_halo import fits, window_attention
 
 def _cp_implementation_module():
     """torch's CP implementation: moved from experimental._attention to experimental._context_parallel."""
@@ -109,28 +113,35 @@ def sequence_parallel_step(cp_mesh: DeviceMesh, tensors: list[torch.Tensor], loa
         yield shards
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str, load_balance: bool = True) -> None:
     """Every core attention becomes a RingAttention over `cp_mesh` (no parameter changes)."""
     group = cp_mesh.get_group()
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is CoreAttention:
-                setattr(module, name, RingAttention(group, rotate_method))
+                setattr(module, name, RingAttention(group, rotate_method, load_balance))
 
 
 class RingAttention(CoreAttention):
     """Causal: SDPA, which torch's context_parallel() turns into its ring. With a document mask:
-    titanlite's document ring, its KV shards moving as the rotate method says, as torch's do."""
+    titanlite's document ring, its KV shards moving as the rotate method says, as torch's do; with a
+    sliding window that chunks hold, only the keys it reaches. Sinks come with a mask (gpt-oss masks
+    every layer)."""
 
-    def __init__(self, group, rotate_method: str):
+    def __init__(self, group, rotate_method: str, load_balance: bool = True):
         super().__init__()
-        self.group_name, self.rotate_method = group.group_name, rotate_method
+        self.group, self.rotate_method, self.load_balance = group, rotate_method, load_balance
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if mask is None:
             return super().forward(q, k, v, None)
-        out, _, _ = document_ring(q, k, v, mask.document_ids, mask.positions, self.group_name, self.rotate_method)
-        return out
+        if mask.window and fits(q.shape[2], mask.window, self.group.size(), self.load_balance):
+            return window_attention(q, k, v, mask, sinks, self.group, self.load_balance)
+        out, lse, _ = document_ring(
+            q, k, v, mask.document_ids, mask.positions, self.group.group_name, self.rotate_method, mask.window
+        )
+        return out if sinks is None else rescaled_by_sinks(out, lse, sinks)
 
 
 def share_expert_counts(model: nn.Module, plan, sequence_mesh: DeviceMesh | None, routing_mesh: DeviceMesh | None) -> None:

@@ -33,13 +33,15 @@ SCORE_TILE_ELEMENTS = 2**26  # fp32 scores held at once: 256 MiB
 
 @torch.library.custom_op("titanlite::document_ring", mutates_args=())
 def document_ring(
-    q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, group_name: str, rotate_method: str
+    q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, group_name: str, rotate_method: str,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (b, heads, s, d); k, v (b, kv_heads, s, d); document ids and positions (b, s) of this rank's
-    tokens. Returns the attention output (like q), its log-sum-exp (b, heads, s, fp32), and which
+    tokens; `window`: DocumentMask's sliding window (0: none). Returns the attention output (like q),
+    its log-sum-exp (b, heads, s, fp32; differentiable: attention sinks rescale by it), and which
     rounds' KV shards its queries see (`rounds_seen`; kept for backward)."""
     group = _resolve_process_group(group_name)
-    local = DocumentMask(document_ids, positions)
+    local = DocumentMask(document_ids, positions, window=window)
     seen = rounds_seen(local, group)
     q5, scale = _grouped(q, k.shape[1]), q.shape[-1] ** -0.5
     out = lse = None
@@ -60,7 +62,7 @@ def document_ring(
 
 
 @document_ring.register_fake
-def _(q, k, v, document_ids, positions, group_name, rotate_method):
+def _(q, k, v, document_ids, positions, group_name, rotate_method, window=0):
     cp = dist.get_world_size(_resolve_process_group(group_name))
     # Contiguous, as the real ones.
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), torch.empty(cp, dtype=torch.bool)
@@ -68,15 +70,16 @@ def _(q, k, v, document_ids, positions, group_name, rotate_method):
 
 @torch.library.custom_op("titanlite::document_ring_backward", mutates_args=())
 def document_ring_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor, seen: Tensor, out: Tensor,
-    lse: Tensor, group_name: str, rotate_method: str,
+    grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, positions: Tensor,
+    seen: Tensor, out: Tensor, lse: Tensor, group_name: str, rotate_method: str, window: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     group = _resolve_process_group(group_name)
     n, kv_heads = dist.get_world_size(group), k.shape[1]
-    local = DocumentMask(document_ids, positions)
+    local = DocumentMask(document_ids, positions, window=window)
     q5, grad5, scale = _grouped(q, kv_heads), _grouped(grad_out, kv_heads), q.shape[-1] ** -0.5
     lse = lse.view(q5.shape[:-1])
-    row_dot = (grad5 * _grouped(out, kv_heads)).sum(-1, keepdim=True)  # softmax's backward term, per query row
+    # Softmax's backward term per query row; the log-sum-exp's own gradient g adds g * p to each score's.
+    row_dot = (grad5 * _grouped(out, kv_heads)).sum(-1, keepdim=True) - grad_lse.view(q5.shape[:-1]).unsqueeze(-1)
     grad_q = q5.new_zeros(q5.shape)  # contiguous (q5 may be a strided view of q), as the fake output says
     by_shard = []  # allgather: each visiting shard's key/value gradients
     travelling = None  # alltoall: the gradients of the shard now here, summed over the ranks it visited
@@ -103,19 +106,21 @@ def document_ring_backward(
 
 
 @document_ring_backward.register_fake
-def _(grad_out, q, k, v, document_ids, positions, seen, out, lse, group_name, rotate_method):
+def _(grad_out, grad_lse, q, k, v, document_ids, positions, seen, out, lse, group_name, rotate_method, window):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, document_ids, positions, ctx.group_name, ctx.rotate_method = inputs
+    q, k, v, document_ids, positions, ctx.group_name, ctx.rotate_method, ctx.window = inputs
     out, lse, seen = output
     ctx.save_for_backward(q, k, v, document_ids, positions, seen, out, lse)
 
 
-def _backward(ctx, grad_out, _grad_lse, _grad_seen):
-    grads = document_ring_backward(grad_out, *ctx.saved_tensors, ctx.group_name, ctx.rotate_method)
-    return *grads, None, None, None, None
+def _backward(ctx, grad_out, grad_lse, _grad_seen):
+    saved = ctx.saved_tensors
+    grad_lse = torch.zeros_like(saved[-1]) if grad_lse is None else grad_lse
+    grads = document_ring_backward(grad_out, grad_lse, *saved, ctx.group_name, ctx.rotate_method, ctx.window)
+    return *grads, None, None, None, None, None
 
 
 document_ring.register_autograd(_backward, setup_context=_setup_context)

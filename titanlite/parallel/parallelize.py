@@ -73,7 +73,7 @@ def parallelize(
         mesh_dims = dims.expert_mesh_dims
         apply_ep(model, plan, dims.get_mesh(mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]))
     if dims.cp_enabled:
-        apply_cp(model, dims.get_mesh("cp"), p.context_parallel_rotate_method)
+        apply_cp(model, dims.get_mesh("cp"), p.context_parallel_rotate_method, p.context_parallel_load_balancer == "headtail")
     if plan.moe_layers(model):
         routing = dims.get_mesh("routing")
         sequence = dims.get_mesh("sequence") if dims.cp_enabled or dims.tp_enabled else None

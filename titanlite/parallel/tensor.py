@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 
@@ -73,3 +73,16 @@ class OutputColwiseParallel(ColwiseParallel):
         if not isinstance(outputs, DTensor):
             return outputs
         return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+class ShardedHeads(ParallelStyle):
+    """For a module whose parameters hold one entry per attention head along dim 0 (gpt-oss's sinks):
+    each tp rank keeps its heads' entries, as column-wise q/k/v keep their heads' rows. The module
+    reads its local shard itself; inputs and outputs pass untouched."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(name, mod, mesh):
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None)))
+
+        return distribute_module(module, device_mesh, shard)

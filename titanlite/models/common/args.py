@@ -29,6 +29,7 @@ class ModelArgs:
     depth_init: bool = True  # scale output projections' init std by depth
     head_dim_override: int = 0  # 0: dim / n_heads (Qwen3's heads are wider than that)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    attention_bias: bool = False  # q/k/v/o projections with biases (gpt-oss)
     # TorchTitan's names. block_causal: attention within each packed document (common/attention.py);
     # attn_type: its kernel, flex (CUDA; SDPA with a boolean mask elsewhere) or sdpa (varlen,
     # TorchTitan's other one, runs on flex here). Causal attention runs SDPA's causal kernel.
@@ -71,9 +72,10 @@ class ModelArgs:
 
     @property
     def attention_params(self) -> int:
-        """wq, wk, wv, wo, the attention norm (and the q/k head norms)."""
+        """wq, wk, wv, wo (and their biases), the attention norm (and the q/k head norms)."""
         q_dim = self.n_heads * self.head_dim
-        return 2 * self.dim * q_dim + 2 * self.dim * self.kv_dim + self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        biases = q_dim + 2 * self.kv_dim + self.dim if self.attention_bias else 0
+        return 2 * self.dim * q_dim + 2 * self.dim * self.kv_dim + self.dim + (2 * self.head_dim if self.qk_norm else 0) + biases
 
     def feed_forward_params(self, layer: int, active: bool = False) -> int:
         """The FFN norm and SwiGLU (w1, w2, w3) of one block."""
@@ -157,6 +159,7 @@ class MoEArgs(ModelArgs):
     aux_loss_type: str = "sequence"
     use_grouped_mm: bool = True  # torch._grouped_mm for the experts (False: an exact loop over experts)
     score_before_experts: bool = False  # the routing weight scales each token's input to its expert (Llama 4), not its output
+    router_bias: bool = False  # the router's gate has a bias (gpt-oss)
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.n_dense_layers
@@ -169,7 +172,13 @@ class MoEArgs(ModelArgs):
         if not self.is_moe(layer):
             return super().feed_forward_params(layer)
         experts = (self.top_k if active else self.num_experts) + self.num_shared_experts
-        return self.dim + self.dim * self.num_experts + experts * 3 * self.dim * self.moe_hidden_dim  # + router
+        router = self.dim * self.num_experts + (self.num_experts if self.router_bias else 0)
+        return self.dim + router + experts * self.expert_params
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's SwiGLU."""
+        return 3 * self.dim * self.moe_hidden_dim
 
 
 def check_shapes(args: ModelArgs, heads_from_dim: bool = True) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 from titanlite.models.common.args import ModelArgs
 from titanlite.models.common.linear import FusedLinear, plain_linears
 from titanlite.models.common.rope import apply_rope
+from titanlite.models.common.sinks import cpu_sink_attention, rescaled_by_sinks
 
 
 def document_layout(
@@ -57,24 +58,27 @@ def document_layout(
 
 @dataclass
 class DocumentMask:
-    """Query i may attend to key j when both lie in the same document and j is not after i. Within a
-    document positions grow with the window's order whether or not they restart at each document,
-    so (document id, position) decides both."""
+    """Query i may attend to key j when both lie in the same document and j is not after i (with a
+    sliding `window`, also fewer than `window` positions before i: gpt-oss). Within a document
+    positions grow with the window's order whether or not they restart at each document, so
+    (document id, position) decides all three."""
 
     document_ids: torch.Tensor  # (batch, seq)
     positions: torch.Tensor  # (batch, seq)
     block_mask: object = None  # FlexAttention's BlockMask, when that kernel runs
+    window: int = 0  # 0: no sliding window
 
     def allowed(self, kv_document_ids: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
         """(batch, 1, queries, keys) booleans against the keys with these ids and positions."""
         return visible(
             self.document_ids[:, None, :, None], self.positions[:, None, :, None],
-            kv_document_ids[:, None, None, :], kv_positions[:, None, None, :],
+            kv_document_ids[:, None, None, :], kv_positions[:, None, None, :], self.window,
         )
 
 
-def visible(q_document, q_position, kv_document, kv_position):
-    return (q_document == kv_document) & (q_position >= kv_position)
+def visible(q_document, q_position, kv_document, kv_position, window: int = 0):
+    seen = (q_document == kv_document) & (q_position >= kv_position)
+    return seen & (q_position - kv_position < window) if window else seen
 
 
 class CoreAttention(nn.Module):
@@ -89,10 +93,14 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.register_buffer("max_logits", None, persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks`: one logit per (local) query head that joins each softmax (gpt-oss; models/common/sinks.py)."""
         if self.max_logits is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 self.max_logits.copy_(torch.maximum(self.max_logits, largest_logits(q, k, mask)))
+        if sinks is not None:
+            return attention_with_sinks(q, k, v, mask, sinks)
         if mask is not None and mask.block_mask is not None:
             flex_attention = compiled("flex_attention")
             return flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=k.shape[1] != q.shape[1])
@@ -106,6 +114,26 @@ class CoreAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=shared_in_kernel)
         allowed = mask.allowed(mask.document_ids, mask.positions)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=shared_in_kernel)
+
+
+def attention_with_sinks(q, k, v, mask: DocumentMask | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Causal or masked attention with each head's sink logit in its softmax (common/sinks.py): CPU
+    SDPA's flash kernel, or FlexAttention with its log-sum-exp (the step's block mask, or one read
+    from the dense mask: context parallel's window keys)."""
+    allowed = None if mask is None else mask.allowed(mask.document_ids, mask.positions)
+    return sink_attention(q, k, v, allowed, sinks, None if mask is None else mask.block_mask)
+
+
+def sink_attention(q, k, v, allowed: torch.Tensor | None, sinks: torch.Tensor, block_mask=None) -> torch.Tensor:
+    """q (b, heads, s, d) over k, v (b, kv_heads, s', d) where `allowed` (b, 1, s, s'; None: causal)."""
+    if q.device.type == "cpu":
+        return cpu_sink_attention(q, k, v, allowed, sinks)
+    if block_mask is None:
+        batch, _, rows, cols = allowed.shape if allowed is not None else (q.shape[0], 1, q.shape[2], k.shape[2])
+        dense = allowed if allowed is not None else torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril().expand(batch, 1, rows, cols)
+        block_mask = compiled("create_block_mask")(lambda b, h, i, j: dense[b, 0, i, j], batch, None, rows, cols, device=q.device)
+    out, lse = compiled("flex_attention")(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
+    return rescaled_by_sinks(out, lse, sinks)
 
 
 def largest_logits(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None, elements: int = 2**24) -> torch.Tensor:
@@ -127,18 +155,18 @@ def largest_logits(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None, 
         else:
             ids, positions = mask.document_ids, mask.positions
             allowed = visible(ids[:, None, None, start:end, None], positions[:, None, None, start:end, None],
-                              ids[:, None, None, None, :end], positions[:, None, None, None, :end])
+                              ids[:, None, None, None, :end], positions[:, None, None, None, :end], mask.window)
         best = torch.maximum(best, scores.masked_fill_(~allowed, -torch.inf).amax(dim=(0, 3, 4)).reshape(heads))
     return best / dim**0.5  # dividing after the max: the same bits (rounding keeps the order)
 
 
-def build_mask(document_ids: torch.Tensor, positions: torch.Tensor, attn_type: str) -> DocumentMask:
+def build_mask(document_ids: torch.Tensor, positions: torch.Tensor, attn_type: str, window: int = 0) -> DocumentMask:
     """The step's mask for one forward; FlexAttention's block mask is built here, once for all blocks."""
-    mask = DocumentMask(document_ids, positions)
+    mask = DocumentMask(document_ids, positions, window=window)
     if attn_type in ("flex", "varlen"):
 
         def same_document_not_later(b, h, q, kv):
-            return visible(document_ids[b, q], positions[b, q], document_ids[b, kv], positions[b, kv])
+            return visible(document_ids[b, q], positions[b, q], document_ids[b, kv], positions[b, kv], window)
 
         batch, seq = document_ids.shape
         create_block_mask = compiled("create_block_mask")
@@ -163,10 +191,11 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        bias = args.attention_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
         self.qkv = FusedLinear() if args.fused_projections else None
         # Qwen3: each query and key head is RMS-normalized before RoPE.
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
@@ -183,14 +212,16 @@ class Attention(nn.Module):
         """q, k, v (b, s, heads, head_dim) of the input."""
         bsz, seqlen, _ = x.shape
         if self.qkv is not None and plain_linears(self.wq, self.wk, self.wv):
-            q, k, v = self.qkv(x, self.wq.weight, self.wk.weight, self.wv.weight)
+            biases = (self.wq.bias, self.wk.bias, self.wv.bias) if self.wq.bias is not None else ()
+            q, k, v = self.qkv(x, self.wq.weight, self.wk.weight, self.wv.weight, *biases)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # -1 heads: under tensor parallel each rank holds a slice of the heads.
         return tuple(t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
-        """The core attention of (b, s, heads, head_dim) q, k, v, through the output projection."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The core attention of (b, s, heads, head_dim) q, k, v (with sink logits), through the output projection."""
         bsz, seqlen = q.shape[:2]
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

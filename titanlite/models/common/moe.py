@@ -41,7 +41,7 @@ class Router(nn.Module):
 
     def __init__(self, args: MoEArgs):
         super().__init__()
-        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=args.router_bias)
         self.top_k, self.score_func = args.top_k, args.score_func
         self.route_norm, self.route_scale = args.route_norm, args.route_scale
         self.n_group, self.topk_group = args.n_group, args.topk_group
@@ -49,7 +49,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (tokens, dim) -> (weights (tokens, k), chosen experts (tokens, k), scores (tokens, experts)), in fp32.
         The gate runs in fp32 whatever the activations' dtype: bf16 logits change some tokens' top-k."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        bias = None if self.gate.bias is None else self.gate.bias.float()
+        logits = F.linear(x.float(), self.gate.weight.float(), bias)
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         chosen = self.within_best_groups(scores + expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
@@ -95,9 +96,7 @@ class GroupedExperts(nn.Module):
         expert parallel runs while the tokens travel (parallel/expert.py); the layer runs it after."""
         dtype = self.compute_dtype or x.dtype
         w1, w2, w3 = self.weights(dtype)
-        if self.kernel == "loop":
-            return looped_swiglu(x.to(dtype), counts, w1, w2, w3).to(x.dtype)
-        return grouped_swiglu(x.to(dtype), counts, w1, w2, w3).to(x.dtype)
+        return swiglu_experts(x.to(dtype), counts, w1, w2, w3, self.kernel).to(x.dtype)
 
 
 def choose_expert_kernel(use_grouped_mm: bool, device_type: str, capability: tuple[int, int] | None) -> tuple[str, torch.dtype | None, str]:
@@ -126,21 +125,26 @@ def configure_experts(modules: list[GroupedExperts], use_grouped_mm: bool, devic
     return why
 
 
-def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """The exact reference: one matmul chain per expert. Weights: (experts, in, out)."""
-    outputs = [
-        (F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e] for e, rows in enumerate(x.split(counts.tolist()))
-    ]
-    return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])
+def expert_groups(counts: torch.Tensor, kernel: str) -> list[int] | torch.Tensor:
+    """How `per_expert` finds each expert's rows: their counts on the host (the loop), or the groups'
+    cumulative ends (`torch._grouped_mm`'s offsets)."""
+    return counts.tolist() if kernel == "loop" else torch.cumsum(counts, 0, dtype=torch.int32)
 
 
-def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """All experts in three `torch._grouped_mm` calls (weights (experts, in, out)), groups delimited
-    by cumulative counts. bf16 and fp32 grouped GEMMs take groups of any size: no padding (float8
-    ones would want each group's rows aligned to 16)."""
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    hidden = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-    return torch._grouped_mm(hidden, w2, offs=offsets)
+def swiglu_experts(x, counts, w1, w2, w3, kernel: str = "grouped") -> torch.Tensor:
+    """Each expert's SwiGLU on its rows of x (grouped by expert); weights (experts, in, out)."""
+    groups = expert_groups(counts, kernel)
+    return per_expert(F.silu(per_expert(x, groups, w1)) * per_expert(x, groups, w3), groups, w2)
+
+
+def per_expert(x: torch.Tensor, groups: list[int] | torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x's rows (grouped by expert) times their expert's matrix, w (experts, in, out): one matmul per
+    expert (the exact reference), or one `torch._grouped_mm` call. bf16 and fp32 grouped GEMMs take
+    groups of any size: no padding (float8 ones would want each group's rows aligned to 16)."""
+    if isinstance(groups, list):
+        outputs = [rows @ w[e] for e, rows in enumerate(x.split(groups))]
+        return torch.cat(outputs) if outputs else x.new_zeros(0, w.shape[-1])
+    return torch._grouped_mm(x, w, offs=groups)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -170,14 +174,15 @@ class Once:
 
 
 class MoE(nn.Module):
-    def __init__(self, args: MoEArgs):
+    def __init__(self, args: MoEArgs, routed_experts: nn.Module | None = None):
+        """`routed_experts`: a GroupedExperts of another kind (gpt-oss's); default SwiGLU experts."""
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
         self.load_balance_coeff, self.aux_loss_coeff, self.aux_loss_type = args.load_balance_coeff, args.aux_loss_coeff, args.aux_loss_type
         self.moe_layer_count = args.moe_layer_count  # the global-batch loss is a mean over the model's MoE layers
         self.score_before_experts = args.score_before_experts
         self.router = Router(args)
-        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.experts = routed_experts or GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
         shared = args.num_shared_experts * args.moe_hidden_dim
         self.shared_experts = FeedForward(args.dim, shared) if shared else None
         # Persistent: the bias is training state that a checkpoint keeps. The counts of the current step are not.

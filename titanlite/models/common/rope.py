@@ -39,17 +39,22 @@ def _llama31_scaled(freqs: torch.Tensor, factor=8.0, low_freq_factor=1.0, high_f
 
 
 def yarn_frequencies(
-    dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: float, beta_slow: float, device=None
+    dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: float, beta_slow: float, device=None,
+    truncate: bool = True,
 ) -> torch.Tensor:
     """YaRN (Peng et al. 2023), as DeepSeek applies it: frequencies that turn more than `beta_fast`
     times over the original context are kept, those turning fewer than `beta_slow` times are divided
-    by `factor`, and a linear ramp over the dims in between blends the two (its ends rounded outwards)."""
+    by `factor`, and a linear ramp over the dims in between blends the two (its ends rounded outwards;
+    gpt-oss's, with `truncate` false, not rounded)."""
     freqs = rope_frequencies(dim, theta, device)
 
     def dim_turning(turns: float) -> float:  # the dim whose frequency turns `turns` times over the context
         return dim * math.log(original_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = max(math.floor(dim_turning(beta_fast)), 0), min(math.ceil(dim_turning(beta_slow)), dim - 1)
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     return freqs / factor * ramp + freqs * (1 - ramp)
 
