@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # plan.py's model names: (family, flavor) of titanlite's published shapes.
 MODELS = {prefix + flavor: (family, flavor)
-          for family, prefix in (("llama3", ""), ("qwen3", "qwen3_"), ("moe", ""), ("deepseek_v3", "deepseek_v3_"), ("llama4", "llama4_"))
+          for family, prefix in (("llama3", ""), ("qwen3", "qwen3_"), ("moe", ""), ("deepseek_v3", "deepseek_v3_"), ("llama4", "llama4_"), ("gpt_oss", "gpt_oss_"))
           for flavor in FAMILIES[family].flavors if "debug" not in flavor}
 PUBLISHED = REPO / "docs" / "published_runs.jsonl"
 

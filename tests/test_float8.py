@@ -58,11 +58,12 @@ def test_emulated_matmul_equals_scaled_mm():
         assert (emulated - real).abs().max() <= 1e-6 * emulated.abs().max()
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_float8_linear_is_close_to_linear_in_forward_and_backward(recipe):
+def test_float8_linear_is_close_to_linear_in_forward_and_backward(recipe, bias):
     torch.manual_seed(0)
-    ref = nn.Linear(256, 128, bias=False)
-    model = nn.Sequential(nn.Linear(256, 128, bias=False))
+    ref = nn.Linear(256, 128, bias=bias)
+    model = nn.Sequential(nn.Linear(256, 128, bias=bias))
     model[0].load_state_dict(ref.state_dict())
     assert convert_to_float8(model, recipe, [], emulate=True) == ["0"]
     x = torch.randn(4, 16, 256, requires_grad=True)
@@ -83,6 +84,8 @@ def test_float8_linear_is_close_to_linear_in_forward_and_backward(recipe):
             assert rel(got, want) < 1e-6  # grad_output and input, both unrounded, in high precision
         else:
             assert 1e-3 < rel(got, want) < 0.1, f"{recipe} {name}: relative error {rel(got, want):.4f}"
+    if bias:  # added in high precision: its gradient is the output gradient's sum
+        torch.testing.assert_close(model[0].bias.grad, ref.bias.grad)
 
 
 def test_which_linears_convert():
@@ -97,7 +100,7 @@ def test_which_linears_convert():
     assert isinstance(model.layers["0"].attention.wq, Float8Linear) and not isinstance(model.output, Float8Linear)
 
     odd = nn.Sequential(nn.Linear(24, 32, bias=False), nn.Linear(32, 32, bias=True), nn.Linear(32, 48, bias=False))
-    assert convert_to_float8(odd, "rowwise", [], emulate=True) == ["2"]  # 24 % 16 != 0; a bias
+    assert convert_to_float8(odd, "rowwise", [], emulate=True) == ["1", "2"]  # 24 % 16 != 0
 
 
 @pytest.mark.slow

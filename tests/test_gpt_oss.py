@@ -6,6 +6,7 @@ window's keys travel. Parity on the layouts: tests/parity_cases.py (gpt_oss_*)."
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -60,18 +61,23 @@ def reference_model() -> "transformers.GptOssForCausalLM":
 
 
 def test_transformers_logits_through_the_import_and_back_through_the_export(tmp_path):
+    """A random GptOssForCausalLM (windows of 8 over 40 tokens, sinks, biases, YaRN over 4,096, clamps
+    at work) imports with its logits (fp32, 1e-4), fused q/k/v or not; our export loads in transformers
+    with the same logits."""
     from titanlite.models.gpt_oss.hf import save_hf
     from titanlite.models.gpt_oss.model import GptOssTransformer
     from titanlite.models.hf import load_hf
 
     reference = reference_model()
     reference.save_pretrained(str(tmp_path / "hf"))
-    ours = GptOssTransformer(our_args()).eval()
-    ours.load_state_dict(load_hf(tmp_path / "hf"))
+    imported = load_hf(tmp_path / "hf")
     tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(tokens).logits
-        torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-4)
+        for fused in (False, True):  # q/k/v as three linears, or one matmul with their biases
+            ours = GptOssTransformer(replace(our_args(), fused_projections=fused)).eval()
+            ours.load_state_dict(imported)
+            torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-4)
 
     state = ours.state_dict()
     save_hf(lambda names: {n: state[n] for n in names}, {n: w.numel() for n, w in state.items()}, our_args(),
@@ -187,3 +193,51 @@ def test_windows_and_sinks_under_context_parallel_match_one_process(ranks):
         boundaries = (2 if load_balance else 1) * ranks - 1 - (1 if load_balance else 0)  # between two ranks
         assert sum(tokens for _, tokens, _ in per_rank) == boundaries * (window - 1)
         assert not any(ring for _, _, ring in per_rank)
+
+
+def test_muon_takes_the_expert_weights_and_adamw_their_biases_and_the_sinks():
+    """gpt-oss's expert biases are 2-d (one vector per expert): AdamW's, as every bias and the sinks."""
+    from titanlite.config import parse_args
+    from titanlite.optim.build import build_optimizer
+
+    config = parse_args(["--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--optimizer.name", "Muon"])
+    with torch.device("meta"):
+        model = build_model("gpt_oss", model_args("gpt_oss", "debugmodel", 259, 64, None, config.model))
+    optimizer = build_optimizer(model.named_parameters(), config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in optimizer.param_groups if g["muon"] for p in g["params"]}
+    experts = "layers.0.feed_forward.experts"
+    assert {f"{experts}.w1", f"{experts}.w2", "layers.0.attention.wq.weight"} <= muon
+    assert not {n for n in muon if n.endswith("bias") or "sinks" in n}
+    assert f"{experts}.w1_bias" in names.values()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
+     "parallelism.expert_tensor_parallel_degree=2: gpt-oss's experts have output biases"),
+    (["--model.flavor_overrides", "sliding_window=0"], "sliding_window=0 must be >= 1"),
+])
+def test_what_gpt_oss_cannot_take_is_one_line(flags, words, corpus_jsonl, tmp_path):
+    from titanlite import preflight
+    from titanlite.config import parse_args
+    from titanlite.errors import ConfigError
+
+    from helpers import tiny_args
+
+    with pytest.raises(ConfigError, match=re.escape(words)) as error:
+        config = parse_args(tiny_args(corpus_jsonl, tmp_path, "--model.name", "gpt_oss", "--model.flavor", "debugmodel", *flags))
+        preflight.check(config, 2)
+    assert "\n" not in str(error.value)
+
+
+def test_qk_clip_is_refused_in_one_line():
+    """gpt-oss's queries and keys carry biases: no rule scales their logits (the trainer builds the clip with the optimizer)."""
+    from titanlite.config import parse_args
+    from titanlite.errors import ConfigError
+    from titanlite.models import FAMILIES
+    from titanlite.optim.qk_clip import qk_clip
+
+    config = parse_args(["--model.name", "gpt_oss", "--optimizer.name", "Muon", "--optimizer.qk_clip_threshold", "100"])
+    model = build_model("gpt_oss", model_args("gpt_oss", "debugmodel", 259, 64))
+    with pytest.raises(ConfigError, match="optimizer.qk_clip_threshold=100.0 with model gpt_oss flavor debugmodel: the family has no QK-clip rule"):
+        qk_clip(config, model, FAMILIES["gpt_oss"].plan, None)

@@ -184,7 +184,7 @@ class _DequantizeTPShard(torch.autograd.Function):
 
 
 class Float8Linear(nn.Linear):
-    """nn.Linear whose matmuls run in float8 (bias-free, as Llama's linears are)."""
+    """nn.Linear whose matmuls run in float8; a bias (gpt-oss's) is added in high precision."""
 
     recipe: Recipe = RECIPES["tensorwise"]
     emulate: bool = False
@@ -193,14 +193,14 @@ class Float8Linear(nn.Linear):
         weight = self.weight
         if isinstance(weight, DTensor) and isinstance(weight._local_tensor, Float8Weight):
             weight = _DequantizeTPShard.apply(weight)
-        return _Float8Linear.apply(x, weight, self.recipe, self.emulate)
+        out = _Float8Linear.apply(x, weight, self.recipe, self.emulate)
+        return out if self.bias is None else out + self.bias
 
 
 def float8_eligible(fqn: str, module: nn.Module, filter_fqns: list[str]) -> bool:
-    """Bias-free linears with both dims divisible by 16 (float8 matmul kernels need it), not filtered."""
+    """Linears with both dims divisible by 16 (float8 matmul kernels need it), not filtered."""
     return (
         type(module) is nn.Linear
-        and module.bias is None
         and module.in_features % 16 == 0
         and module.out_features % 16 == 0
         and not any(part in fqn for part in filter_fqns)

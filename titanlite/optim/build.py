@@ -1,6 +1,6 @@
 """The optimizer of a model part: AdamW or Adam; or Muon for the hidden matrices with AdamW beside it
 for what Muon should not take (optimizer.adamw_params: embeddings, the output head, router gates by
-default, and every parameter of fewer than 2 dims: norms, biases)."""
+default, every parameter of fewer than 2 dims (norms, biases), and gpt-oss's per-expert biases)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def by_kind(params: list) -> list[dict]:
 
 
 def takes_muon(name: str, param: torch.Tensor, adamw_patterns: list[str]) -> bool:
-    return param.ndim >= 2 and not matched_patterns(name, adamw_patterns)
+    """Matrices (a grouped expert weight: one per expert), not biases: gpt-oss's expert biases are
+    (experts, size), one vector per expert."""
+    return param.ndim >= 2 and not name.endswith("bias") and not matched_patterns(name, adamw_patterns)
 
 
 def matched_patterns(name: str, patterns: list[str]) -> list[str]:

@@ -13,7 +13,8 @@ from titanlite.planner.cost_model import Layout
 # overrides the shape, the rest of the file stands).
 PRESETS = {"8B": "llama3_8b.toml", "70B": "llama3_70b.toml", "405B": "llama3_405b.toml"}
 DEBUG_CONFIGS = {"llama3": "debug_model.toml", "qwen3": "debug_qwen3.toml", "moe": "debug_moe.toml",
-                 "deepseek_v3": "debug_deepseek_v3.toml", "llama4": "debug_llama4.toml"}
+                 "deepseek_v3": "debug_deepseek_v3.toml", "llama4": "debug_llama4.toml",
+                 "gpt_oss": "debug_gpt_oss.toml"}
 
 
 def config_file(name: str, flavor: str) -> str:
