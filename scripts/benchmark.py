@@ -62,6 +62,10 @@ GPU_DSV3_SHAPE = ["--model.name", "deepseek_v3", "--model.flavor", "16B", "--mod
 # Qwen3-30B-A3B's block shape (128 experts, top 8, q/k norms) with 4 of its 48 blocks: one GPU.
 GPU_MOE_SHAPE = ["--model.name", "moe", "--model.flavor", "qwen3_30b_a3b", "--model.n_layers", "4", "--training.seq_len", "4096",
                  "--training.local_batch_size", "2"]
+# gpt-oss-20b's block shape (sinks, windows of 128 on every other block, 32 experts, top 4) with 4 of
+# its 24 blocks: one GPU.
+GPU_GPT_OSS_SHAPE = ["--model.name", "gpt_oss", "--model.flavor", "20b", "--model.n_layers", "4", "--training.seq_len", "4096",
+                     "--training.local_batch_size", "2"]
 
 PRESETS = {
     "cpu": (CPU_SHAPE, 2, [
@@ -104,6 +108,8 @@ PRESETS = {
         # The issue's row: Llama 4's debug model in bf16 on FlexAttention (chunked block masks), seq 8192.
         Run("l4_debug_bf16_flex_compile", 1, L4 + COMPILE + ["--model.attn_type", "flex", "--training.seq_len", "8192",
                                                              "--training.local_batch_size", "2"]),
+        # The issue's row: gpt-oss-20b-shaped blocks in bf16, compiled, sinks and windows on FlexAttention.
+        Run("gpt_oss_20b_4_blocks_bf16_flex_compile", 1, GPU_GPT_OSS_SHAPE + COMPILE + ["--model.attn_type", "flex"]),
     ]),
     # A quick end-to-end check of this script (the tests run it).
     "smoke": (["--training.seq_len", "64", "--training.local_batch_size", "2"], 1, [Run("1rank", 1, bare=True), Run("fsdp2", 2)]),

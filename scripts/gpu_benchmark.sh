@@ -2,7 +2,7 @@
 # The GPU measurement, on a machine with one GPU and the torch it has:
 #   bash scripts/gpu_benchmark.sh [OUT_FOLDER]      (default: outputs/gpu_benchmark)
 # Runs scripts/benchmark.py's gpu preset (Llama 3 8B shape, 8 blocks, seq 8192: bf16, compile,
-# float8 tensorwise/rowwise, AC modes; MoE, DeepSeek-V3, Llama 4 rows) after scripts/gpu_moe_check.py,
+# float8 tensorwise/rowwise, AC modes; MoE, DeepSeek-V3, Llama 4, gpt-oss rows) after scripts/gpu_moe_check.py,
 # and leaves results.jsonl/csv, the plot, the MoE check, the GPU's name,
 # driver and torch version, and the log in OUT_FOLDER. Where the machine's Python lacks a package
 # titanlite needs (torchdata, say) and has no network, put its wheels in .whl/: they are installed

@@ -32,7 +32,7 @@ def test_flavors_have_the_published_sizes(flavor, total, active):
 
 def tiny_config(window: int = 8) -> "transformers.GptOssConfig":
     return transformers.GptOssConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
         max_position_embeddings=131072, initializer_range=0.1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -42,7 +42,7 @@ def tiny_config(window: int = 8) -> "transformers.GptOssConfig":
 
 def our_args(window: int = 8):
     return replace(
-        model_args("gpt_oss", "debugmodel", 320, 256), dim=64, moe_hidden_dim=48, n_layers=3, n_heads=4, n_kv_heads=2,
+        model_args("gpt_oss", "debugmodel", 320, 256), dim=64, moe_hidden_dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
         head_dim_override=32, num_experts=4, top_k=2, sliding_window=window,
     )
 
@@ -241,3 +241,60 @@ def test_qk_clip_is_refused_in_one_line():
     model = build_model("gpt_oss", model_args("gpt_oss", "debugmodel", 259, 64))
     with pytest.raises(ConfigError, match="optimizer.qk_clip_threshold=100.0 with model gpt_oss flavor debugmodel: the family has no QK-clip rule"):
         qk_clip(config, model, FAMILIES["gpt_oss"].plan, None)
+
+
+def test_a_checkpoint_with_mxfp4_experts_imports_with_transformers_logits(tmp_path):
+    """The released layout: each expert weight as MXFP4 `_blocks` and `_scales` (experts, out, in / 32,
+    ...). Random ones, dequantized by transformers into its model; its saved files then get the packed
+    pair in place of each weight, and our import reads those."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from titanlite.models.gpt_oss.model import GptOssTransformer
+    from titanlite.models.hf import load_hf
+
+    reference = reference_model()
+    gen = torch.Generator().manual_seed(2)
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(reference.model.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(layer.mlp.experts, name)  # (experts, in, out)
+                experts, inputs, outputs = weight.shape
+                blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen, dtype=torch.uint8)
+                scales = torch.randint(122, 128, (experts, outputs, inputs // 32), generator=gen, dtype=torch.uint8)
+                weight.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed |= {f"model.layers.{i}.mlp.experts.{name}_blocks": blocks, f"model.layers.{i}.mlp.experts.{name}_scales": scales}
+    reference.save_pretrained(str(tmp_path))
+    file = next(tmp_path.glob("*.safetensors"))
+    tensors = {k: v for k, v in load_file(str(file)).items() if not k.endswith(("gate_up_proj", "down_proj"))}
+    save_file(tensors | packed, str(file), metadata={"format": "pt"})
+
+    ours = GptOssTransformer(our_args()).eval()
+    ours.load_state_dict(load_hf(tmp_path))
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_flexattention_with_sinks_matches_the_softmax_with_a_sink_column(monkeypatch):
+    """The GPU path, forward, on CPU (uncompiled): the step's window block mask, and one read from a
+    dense mask (context parallel's window keys), through flex's log-sum-exp."""
+    from torch.nn.attention import flex_attention
+
+    from titanlite.models.common import attention
+
+    for name in ("flex_attention", "create_block_mask"):
+        monkeypatch.setitem(attention._COMPILED, name, getattr(flex_attention, name))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 128, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 128, 16, generator=gen) for _ in range(2))
+    sinks = torch.randn(4, generator=gen)
+    ids = (torch.rand(2, 128, generator=gen) < 0.05).cumsum(1)
+    positions = torch.arange(128).expand(2, 128)
+    mask = attention.build_mask(ids, positions, "flex", window=20)
+    allowed = mask.allowed(ids, positions)
+    expected = softmax_with_a_sink_column(q, k, v, sinks, allowed)
+    for block_mask in (mask.block_mask, attention.dense_block_mask(allowed)):
+        out = attention.sink_attention(q, k, v, allowed, sinks, block_mask)
+        assert (out - expected).abs().max() < 1e-5

@@ -125,15 +125,23 @@ def attention_with_sinks(q, k, v, mask: DocumentMask | None, sinks: torch.Tensor
 
 
 def sink_attention(q, k, v, allowed: torch.Tensor | None, sinks: torch.Tensor, block_mask=None) -> torch.Tensor:
-    """q (b, heads, s, d) over k, v (b, kv_heads, s', d) where `allowed` (b, 1, s, s'; None: causal)."""
-    if q.device.type == "cpu":
+    """q (b, heads, s, d) over k, v (b, kv_heads, s', d) where `allowed` (b, 1, s, s'; None: causal),
+    or by FlexAttention's `block_mask` where given."""
+    if block_mask is None and q.device.type == "cpu":
         return cpu_sink_attention(q, k, v, allowed, sinks)
     if block_mask is None:
-        batch, _, rows, cols = allowed.shape if allowed is not None else (q.shape[0], 1, q.shape[2], k.shape[2])
-        dense = allowed if allowed is not None else torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril().expand(batch, 1, rows, cols)
-        block_mask = compiled("create_block_mask")(lambda b, h, i, j: dense[b, 0, i, j], batch, None, rows, cols, device=q.device)
+        if allowed is None:
+            rows = torch.arange(q.shape[2], device=q.device)
+            allowed = (rows[:, None] >= rows).expand(q.shape[0], 1, -1, -1)
+        block_mask = dense_block_mask(allowed)
     out, lse = compiled("flex_attention")(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
     return rescaled_by_sinks(out, lse, sinks)
+
+
+def dense_block_mask(allowed: torch.Tensor):
+    """FlexAttention's block mask of a boolean (b, 1, s, s') mask."""
+    batch, _, rows, cols = allowed.shape
+    return compiled("create_block_mask")(lambda b, h, i, j: allowed[b, 0, i, j], batch, None, rows, cols, device=allowed.device)
 
 
 def largest_logits(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None, elements: int = 2**24) -> torch.Tensor:
