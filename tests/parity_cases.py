@@ -261,6 +261,7 @@ EXTENDED = {
     "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
     "tp2_sp_lp", "free_cp2", "doc_fsdp2", "dsv3_pp2_zbvzerobubble", "dsv3_pp2_dualpipev", "dsv3_tp2_separate_projections",
     "l4_pp2_gpipe", "l4_pp2_dualpipev", "l4_pp2_loopedbfs", "l4_pp2_interleavedzerobubble",
+    "gpt_oss_doc_cp2_alltoall",
 }
 # Llama 4 (debugmodel: MoE every other block, NoPE block 3 and 7, L2 QK-norm, temperature tuning from
 # position 7 on). seq_len 32 spans chunks: under CP 2 the head-tail shards are 4 pieces of 8 tokens,

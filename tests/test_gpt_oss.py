@@ -296,5 +296,5 @@ def test_flexattention_with_sinks_matches_the_softmax_with_a_sink_column(monkeyp
     allowed = mask.allowed(ids, positions)
     expected = softmax_with_a_sink_column(q, k, v, sinks, allowed)
     for block_mask in (mask.block_mask, attention.dense_block_mask(allowed)):
-        out = attention.sink_attention(q, k, v, allowed, sinks, block_mask)
+        out = attention.flex_sink_attention(q, k, v, block_mask, sinks)
         assert (out - expected).abs().max() < 1e-5

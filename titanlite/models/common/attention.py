@@ -125,15 +125,20 @@ def attention_with_sinks(q, k, v, mask: DocumentMask | None, sinks: torch.Tensor
 
 
 def sink_attention(q, k, v, allowed: torch.Tensor | None, sinks: torch.Tensor, block_mask=None) -> torch.Tensor:
-    """q (b, heads, s, d) over k, v (b, kv_heads, s', d) where `allowed` (b, 1, s, s'; None: causal),
-    or by FlexAttention's `block_mask` where given."""
-    if block_mask is None and q.device.type == "cpu":
+    """q (b, heads, s, d) over k, v (b, kv_heads, s', d) where `allowed` (b, 1, s, s'; None: causal):
+    on CPU SDPA's flash kernel (FlexAttention trains on CUDA only), elsewhere FlexAttention with
+    `block_mask`, or one read from `allowed`."""
+    if q.device.type == "cpu":
         return cpu_sink_attention(q, k, v, allowed, sinks)
     if block_mask is None:
         if allowed is None:
             rows = torch.arange(q.shape[2], device=q.device)
             allowed = (rows[:, None] >= rows).expand(q.shape[0], 1, -1, -1)
         block_mask = dense_block_mask(allowed)
+    return flex_sink_attention(q, k, v, block_mask, sinks)
+
+
+def flex_sink_attention(q, k, v, block_mask, sinks: torch.Tensor) -> torch.Tensor:
     out, lse = compiled("flex_attention")(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
     return rescaled_by_sinks(out, lse, sinks)
 
