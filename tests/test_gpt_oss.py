@@ -64,7 +64,8 @@ def test_transformers_logits_through_the_import_and_back_through_the_export(tmp_
     """A random GptOssForCausalLM (windows of 8 over 40 tokens, sinks, biases, YaRN over 4,096, clamps
     at work) imports with its logits (fp32, 1e-4), fused q/k/v or not; our export loads in transformers
     with the same logits."""
-    from titanlite.models.gpt_oss.hf import save_hf
+    from titanlite.errors import ConfigError
+    from titanlite.models.gpt_oss.hf import check_hf_shapes, save_hf
     from titanlite.models.gpt_oss.model import GptOssTransformer
     from titanlite.models.hf import load_hf
 
@@ -78,6 +79,11 @@ def test_transformers_logits_through_the_import_and_back_through_the_export(tmp_
             ours = GptOssTransformer(replace(our_args(), fused_projections=fused)).eval()
             ours.load_state_dict(imported)
             torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-4)
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    check_hf_shapes(config, our_args(), tmp_path / "hf")  # transformers' config.json fits the model
+    with pytest.raises(ConfigError, match="has sliding_window=8, the model being trained 16"):
+        check_hf_shapes(config, our_args(window=16), tmp_path / "hf")
 
     state = ours.state_dict()
     save_hf(lambda names: {n: state[n] for n in names}, {n: w.numel() for n, w in state.items()}, our_args(),
@@ -132,11 +138,11 @@ def test_sink_attention_equals_the_softmax_with_a_sink_column(masked):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
-def windows_under_cp(window: int, load_balance: bool, documents: bool) -> tuple[float, int, bool]:
+def windows_under_cp(window: int, load_balance: bool, documents: bool, compiled: bool = False) -> tuple[float, int, bool]:
     """This cp rank's chunks (head-tail, or contiguous) of q, k, v through RingAttention with a
-    window and sinks, against one process's CoreAttention over the whole sequence: (the worst
-    relative difference of the output and the q, k, v and sink gradients, tail tokens received,
-    whether the document ring ran)."""
+    window and sinks (`compiled`: in one graph, as compiled blocks hold it), against one process's
+    CoreAttention over the whole sequence: (the worst relative difference of the output and the q,
+    k, v and sink gradients, tail tokens received, whether the document ring ran)."""
     import torch.distributed as dist
 
     from titanlite.models.common.attention import CoreAttention, DocumentMask
@@ -161,6 +167,8 @@ def windows_under_cp(window: int, load_balance: bool, documents: bool) -> tuple[
     local_sinks = sinks.detach().clone().requires_grad_()
     received, rounds = window_halo.TAIL_TOKENS_RECEIVED[0], dict(document_ring.ROUNDS)
     ring = RingAttention(dist.group.WORLD, "alltoall", load_balance)
+    if compiled:
+        ring = torch.compile(ring, fullgraph=True, backend="aot_eager")
     out = ring(*shard, DocumentMask(ids[:, mine], positions[:, mine], window=window), local_sinks)
     out.backward(grad[:, :, mine])
     dist.all_reduce(local_sinks.grad)  # each rank's queries' share
@@ -173,6 +181,7 @@ def windows_under_cp(window: int, load_balance: bool, documents: bool) -> tuple[
 def window_cases() -> dict:
     cases = {(5, lb, docs): windows_under_cp(5, lb, docs) for lb in (True, False) for docs in (False, True)}
     cases[(9, True, True)] = windows_under_cp(9, True, True)  # chunks of 4 < 8 tail tokens: the document ring
+    cases[(4, True, True)] = windows_under_cp(4, True, True, compiled=True)
     return cases
 
 
@@ -216,6 +225,8 @@ def test_muon_takes_the_expert_weights_and_adamw_their_biases_and_the_sinks():
     (["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
      "parallelism.expert_tensor_parallel_degree=2: gpt-oss's experts have output biases"),
     (["--model.flavor_overrides", "sliding_window=0"], "sliding_window=0 must be >= 1"),
+    (["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
+     "gpt-oss's experts (biases, the clamped SwiGLU) do not run on float8 grouped GEMMs"),
 ])
 def test_what_gpt_oss_cannot_take_is_one_line(flags, words, corpus_jsonl, tmp_path):
     from titanlite import preflight
@@ -298,3 +309,18 @@ def test_flexattention_with_sinks_matches_the_softmax_with_a_sink_column(monkeyp
     for block_mask in (mask.block_mask, attention.dense_block_mask(allowed)):
         out = attention.flex_sink_attention(q, k, v, block_mask, sinks)
         assert (out - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"load_balance_coeff": 1e-3}, "an expert bias (model.moe_load_balance_coeff)"),
+    ({"route_norm": False}, "unnormalized top-k weights"),
+    ({"attention_bias": False}, "attention without biases"),
+])
+def test_what_transformers_would_compute_otherwise_is_not_exported(change, words):
+    """Checked before training (checkpoint.last_save_in_hf), in one line."""
+    from titanlite.errors import ConfigError
+    from titanlite.models import FAMILIES
+
+    FAMILIES["gpt_oss"].check_hf_export(our_args())
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        FAMILIES["gpt_oss"].check_hf_export(replace(our_args(), **change))

@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import context_parallel
 
 from titanlite.models.common.attention import CoreAttention, DocumentMask
-from titanlite.parallel.activation_checkpoint import ForwardReplay
 from titanlite.models.common.sinks import rescaled_by_sinks
+from titanlite.parallel.activation_checkpoint import ForwardReplay
 from titanlite.parallel.document_ring import document_ring
 from titanlite.parallel.window_halo import fits, window_attention
 
@@ -136,7 +136,7 @@ class RingAttention(CoreAttention):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         if mask is None:
             return super().forward(q, k, v, None)
-        if mask.window and fits(q.shape[2], mask.window, self.group.size(), self.load_balance):
+        if mask.window and sinks is not None and fits(q.shape[2], mask.window, self.group.size(), self.load_balance):
             return window_attention(q, k, v, mask, sinks, self.group, self.load_balance)
         out, lse, _ = document_ring(
             q, k, v, mask.document_ids, mask.positions, self.group.group_name, self.rotate_method, mask.window

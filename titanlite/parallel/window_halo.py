@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from titanlite.models.common.attention import DocumentMask, sink_attention
 
@@ -65,44 +66,70 @@ def _tail(t: torch.Tensor, slot: int, chunk_len: int, tail: int) -> torch.Tensor
     return t[..., (slot + 1) * chunk_len - tail:(slot + 1) * chunk_len, :]
 
 
-class _Tails(torch.autograd.Function):
-    """Of stacked keys and values (2, b, kv_heads, s, d): the tails of this rank's chunks go to the next
-    chunks' holders; returns the tails received, along the sequence. Backward sends their gradients home."""
-
-    @staticmethod
-    def forward(ctx, kv: torch.Tensor, sends, receives, group, chunk_len: int, tail: int):
-        ctx.sends, ctx.receives, ctx.group, ctx.chunk_len, ctx.tail, ctx.shape = sends, receives, group, chunk_len, tail, kv.shape
-        shape = (*kv.shape[:3], tail, kv.shape[4])
-        received = _swap([_tail(kv, slot, chunk_len, tail) for slot, _ in sends], sends, receives, group, lambda: kv.new_empty(shape))
-        return torch.cat(received, dim=3) if received else kv.new_empty(*kv.shape[:3], 0, kv.shape[4])
-
-    @staticmethod
-    def backward(ctx, grad):
-        shape = (*ctx.shape[:3], ctx.tail, ctx.shape[4])
-        # The gradients go back the way their tails came: receives become sends.
-        back = _swap(list(grad.split(ctx.tail, dim=3)), ctx.receives, ctx.sends, ctx.group, lambda: grad.new_empty(shape))
-        grad_kv = grad.new_zeros(ctx.shape)
-        for (slot, _), piece in zip(ctx.sends, back):
-            _tail(grad_kv, slot, ctx.chunk_len, ctx.tail).add_(piece)
-        return grad_kv, None, None, None, None, None
+def _links(group_name: str, load_balance: bool):
+    group = _resolve_process_group(group_name)
+    return group, *neighbours(dist.get_rank(group), dist.get_world_size(group), load_balance)
 
 
-def window_attention(q, k, v, mask: DocumentMask, sinks: torch.Tensor | None, group, load_balance: bool) -> torch.Tensor:
+# Custom ops, as the document ring's: torch.compile graphs hold the op, not its point-to-point sends.
+@torch.library.custom_op("titanlite::window_tails", mutates_args=())
+def window_tails(kv: Tensor, layout: Tensor, group_name: str, load_balance: bool, tail: int) -> tuple[Tensor, Tensor]:
+    """Stacked keys and values (2, b, kv_heads, s, d) and document ids and positions (2, b, s, 1) of
+    this rank's chunks: their last `tail` tokens go to the next chunks' holders. Returns the tails
+    received (along the sequence, in slot order)."""
+    group, sends, receives = _links(group_name, load_balance)
+    chunk_len = kv.shape[3] // (2 if load_balance else 1)
+    TAIL_TOKENS_RECEIVED[0] += len(receives) * tail
+    received = []
+    for t in (kv, layout):
+        shape = (*t.shape[:-2], tail, t.shape[-1])
+        pieces = _swap([_tail(t, slot, chunk_len, tail) for slot, _ in sends], sends, receives, group, lambda: t.new_empty(shape))
+        received.append(torch.cat(pieces, dim=-2) if pieces else t.new_empty(*t.shape[:-2], 0, t.shape[-1]))
+    return received[0], received[1]
+
+
+@window_tails.register_fake
+def _(kv, layout, group_name, load_balance, tail):
+    _, _, receives = _links(group_name, load_balance)
+    length = len(receives) * tail
+    return kv.new_empty(*kv.shape[:3], length, kv.shape[4]), layout.new_empty(*layout.shape[:2], length, layout.shape[3])
+
+
+@torch.library.custom_op("titanlite::window_tails_backward", mutates_args=())
+def window_tails_backward(grad: Tensor, seq_len: int, group_name: str, load_balance: bool, tail: int) -> Tensor:
+    """The received tails' key/value gradients go back to the ranks that sent them; returns this
+    rank's keys' and values' gradients from the tails it sent (zero elsewhere)."""
+    group, sends, receives = _links(group_name, load_balance)
+    chunk_len = seq_len // (2 if load_balance else 1)
+    shape = (*grad.shape[:3], tail, grad.shape[4])
+    back = _swap(list(grad.split(tail, dim=3)), receives, sends, group, lambda: grad.new_empty(shape))
+    grad_kv = grad.new_zeros(*grad.shape[:3], seq_len, grad.shape[4])
+    for (slot, _), piece in zip(sends, back):
+        _tail(grad_kv, slot, chunk_len, tail).add_(piece)
+    return grad_kv
+
+
+@window_tails_backward.register_fake
+def _(grad, seq_len, group_name, load_balance, tail):
+    return grad.new_empty(*grad.shape[:3], seq_len, grad.shape[4])
+
+
+def _setup_context(ctx, inputs, output):
+    kv, _, ctx.group_name, ctx.load_balance, ctx.tail = inputs
+    ctx.seq_len = kv.shape[3]
+
+
+def _backward(ctx, grad_kv, _grad_layout):
+    return window_tails_backward(grad_kv, ctx.seq_len, ctx.group_name, ctx.load_balance, ctx.tail), None, None, None, None
+
+
+window_tails.register_autograd(_backward, setup_context=_setup_context)
+
+
+def window_attention(q, k, v, mask: DocumentMask, sinks: torch.Tensor, group, load_balance: bool) -> torch.Tensor:
     """This rank's queries (b, heads, s, d) over its own keys and the tails before its chunks."""
-    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    sends, receives = neighbours(rank, ranks, load_balance)
-    tail, chunk_len = mask.window - 1, q.shape[2] // (2 if load_balance else 1)
-    layout = torch.stack([mask.document_ids, mask.positions]).unsqueeze(-1)  # (2, b, s, 1): the sequence next to last
-    layout_shape = (*layout.shape[:2], tail, 1)
-    layouts = _swap([_tail(layout, slot, chunk_len, tail) for slot, _ in sends], sends, receives, group,
-                    lambda: layout.new_empty(layout_shape))
-    kv_layout = torch.cat([layout, *layouts], dim=2).squeeze(-1)
-    TAIL_TOKENS_RECEIVED[0] += len(layouts) * tail
-    kv = torch.cat([torch.stack([k, v]), _Tails.apply(torch.stack([k, v]), sends, receives, group, chunk_len, tail)], dim=3)
-    allowed = mask.allowed(kv_layout[0], kv_layout[1])
-    if sinks is not None:
-        return sink_attention(q, kv[0], kv[1], allowed, sinks)
-    repeats = q.shape[1] // k.shape[1]
-    keys, values = (t.repeat_interleave(repeats, dim=1) for t in (kv[0], kv[1]))
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
-
+    kv, layout = torch.stack([k, v]), torch.stack([mask.document_ids, mask.positions]).unsqueeze(-1)
+    kv_tails, layout_tails = window_tails(kv, layout, group.group_name, load_balance, mask.window - 1)
+    keys = torch.cat([kv, kv_tails], dim=3)
+    kv_layout = torch.cat([layout, layout_tails], dim=2).squeeze(-1)
+    return sink_attention(q, keys[0], keys[1], mask.allowed(kv_layout[0], kv_layout[1]), sinks)

@@ -120,27 +120,27 @@ def attention_with_sinks(q, k, v, mask: DocumentMask | None, sinks: torch.Tensor
     """Causal or masked attention with each head's sink logit in its softmax (common/sinks.py): CPU
     SDPA's flash kernel, or FlexAttention with its log-sum-exp (the step's block mask, or one read
     from the dense mask: context parallel's window keys)."""
+    if mask is not None and mask.block_mask is not None and q.device.type != "cpu":
+        return flex_sink_attention(q, k, v, mask.block_mask, sinks)
     allowed = None if mask is None else mask.allowed(mask.document_ids, mask.positions)
-    return sink_attention(q, k, v, allowed, sinks, None if mask is None else mask.block_mask)
+    return sink_attention(q, k, v, allowed, sinks)
 
 
-def sink_attention(q, k, v, allowed: torch.Tensor | None, sinks: torch.Tensor, block_mask=None) -> torch.Tensor:
-    """q (b, heads, s, d) over k, v (b, kv_heads, s', d) where `allowed` (b, 1, s, s'; None: causal):
-    on CPU SDPA's flash kernel (FlexAttention trains on CUDA only), elsewhere FlexAttention with
-    `block_mask`, or one read from `allowed`."""
+def sink_attention(q, k, v, allowed: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+    """q (b, heads, s, d) over k, v (b, kv_heads, s', d) where `allowed` (b, 1, s, s'; None, on CPU:
+    causal): on CPU SDPA's flash kernel (FlexAttention trains on CUDA only), elsewhere FlexAttention
+    with a block mask read from `allowed`."""
     if q.device.type == "cpu":
         return cpu_sink_attention(q, k, v, allowed, sinks)
-    if block_mask is None:
-        if allowed is None:
-            rows = torch.arange(q.shape[2], device=q.device)
-            allowed = (rows[:, None] >= rows).expand(q.shape[0], 1, -1, -1)
-        block_mask = dense_block_mask(allowed)
-    return flex_sink_attention(q, k, v, block_mask, sinks)
+    return flex_sink_attention(q, k, v, dense_block_mask(allowed), sinks)
 
 
 def flex_sink_attention(q, k, v, block_mask, sinks: torch.Tensor) -> torch.Tensor:
-    out, lse = compiled("flex_attention")(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
-    return rescaled_by_sinks(out, lse, sinks)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = compiled("flex_attention")(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1],
+                                          return_aux=AuxRequest(lse=True))
+    return rescaled_by_sinks(out, aux.lse, sinks)
 
 
 def dense_block_mask(allowed: torch.Tensor):

@@ -103,5 +103,30 @@ def check_gpt_oss(args: GptOssArgs, dims) -> None:
 
 
 def check_config(model, args: GptOssArgs) -> None:
+    """The MoE family's [model] keys and gpt-oss's shapes; float8 grouped GEMMs run SwiGLU experts
+    without biases, not these."""
     check_moe_config(model, args)
     check_overridden(model, args, check_shapes)
+    if "quantize.grouped_mm.float8" in model.converters:
+        raise ConfigError(
+            "model.converters has quantize.grouped_mm.float8, and gpt-oss's experts (biases, the clamped SwiGLU) "
+            "do not run on float8 grouped GEMMs; leave it out (float8 linears still apply to attention)"
+        )
+
+
+def check_hf_exportable(args: GptOssArgs) -> None:
+    """ConfigError, before any training, when GptOssForCausalLM would compute something else."""
+    differences = [
+        (args.load_balance_coeff, "an expert bias (model.moe_load_balance_coeff)"), (not args.route_norm, "unnormalized top-k weights"),
+        (args.score_func != "softmax", f"{args.score_func} scores"), (args.route_scale != 1.0, "a route scale"),
+        (args.n_group > 1, "group-limited routing"), (args.score_before_experts, "routing weights on the experts' inputs"),
+        (args.num_shared_experts, "shared experts"), (args.n_dense_layers, "dense blocks"),
+        (not args.attention_bias, "attention without biases"), (not args.router_bias, "a router without a bias"),
+        (args.qk_norm, "q/k head norms"), (args.tie_embeddings, "tied embeddings"),
+    ]
+    if found := [what for differs, what in differences if differs]:
+        raise ConfigError(
+            f"this gpt-oss model has {', '.join(found)}, which GptOssForCausalLM (the Hugging Face architecture it "
+            "exports as) does not; export a flavor as published (with model.moe_load_balance_coeff=0), or set "
+            "checkpoint.last_save_in_hf=false"
+        )

@@ -20,7 +20,7 @@ import torch
 
 from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
 from titanlite.errors import ConfigError
-from titanlite.models.gpt_oss.args import GptOssArgs
+from titanlite.models.gpt_oss.args import GptOssArgs, check_hf_exportable
 from titanlite.models.llama3 import hf as llama3_hf
 
 LAYER_NAMES = llama3_hf.LAYER_NAMES | {
@@ -92,6 +92,7 @@ def save_hf(read, sizes: dict[str, int], args: GptOssArgs, folder: Path, dtype: 
 
 
 def hf_config(args: GptOssArgs, dtype: torch.dtype) -> dict:
+    check_hf_exportable(args)
     return {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
         "hidden_size": args.dim, "intermediate_size": args.moe_hidden_dim, "num_hidden_layers": args.n_layers,
@@ -112,13 +113,18 @@ def hf_config(args: GptOssArgs, dtype: torch.dtype) -> dict:
 def check_hf_shapes(config: dict, args: GptOssArgs, folder: Path) -> None:
     """ConfigError naming the first config.json value that differs from the model being trained."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    layer_types = ["sliding_attention" if args.is_sliding(i) else "full_attention" for i in range(args.n_layers)]
     expected = llama3_hf.expected_config(args, config) | {
         "intermediate_size": (args.moe_hidden_dim, None), "head_dim": (args.head_dim, None),
         "num_local_experts": (args.num_experts, None), "num_experts_per_tok": (args.top_k, None),
-        "sliding_window": (args.sliding_window, None), "swiglu_limit": (args.swiglu_limit, 7.0),
-        "yarn factor": (args.yarn_factor, None), "rope_theta": (args.rope_theta, None),
+        "sliding_window": (args.sliding_window, None), "layer_types": (layer_types, layer_types),
+        "swiglu_limit": (args.swiglu_limit, 7.0), "swiglu_alpha": (args.swiglu_alpha, 1.702), "attention_bias": (True, True),
+        "rope_theta": (args.rope_theta, None), "rope yarn factor": (args.yarn_factor, None),
+        "rope original_max_position_embeddings": (args.yarn_original_seq_len, None),
+        "rope beta_fast": (args.yarn_beta_fast, 32.0), "rope beta_slow": (args.yarn_beta_slow, 1.0), "rope truncate": (False, True),
     }
-    found = config | {"yarn factor": rope.get("factor"), "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
+    found = config | {f"rope {key}": rope.get(key) for key in ("original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")}
+    found |= {"rope yarn factor": rope.get("factor"), "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     check_config_values(found, expected, folder)
 
 
