@@ -49,6 +49,16 @@ def write_shards(read, sizes: dict[str, int], folder: Path, dtype: torch.dtype, 
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def no_expert_bias(name: str, bias: torch.Tensor, architecture: str) -> list:
+    """Nothing to write for an expert bias the architecture lacks, so long as it is zero."""
+    if bias.any():
+        raise ConfigError(
+            f"{name} is not zero, and {architecture} has no expert bias: the exported model would route "
+            "differently; export a model trained with model.moe_load_balance_coeff=0"
+        )
+    return []
+
+
 def read_hf_config(folder: Path) -> tuple[dict, int, int]:
     """(config.json, attention heads, kv heads) of a Hugging Face model folder; ConfigError naming the
     file when it is not JSON or lacks the head count."""

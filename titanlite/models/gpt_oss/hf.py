@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, no_expert_bias, hf_tensors, read_hf_config, write_shards
 from titanlite.errors import ConfigError
 from titanlite.models.gpt_oss.args import GptOssArgs, check_hf_exportable
 from titanlite.models.llama3 import hf as llama3_hf
@@ -49,12 +49,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def to_hf_tensors(name: str, w: torch.Tensor, args: GptOssArgs) -> list[tuple[str, torch.Tensor]]:
     if EXPERT_BIAS.match(name):
-        if w.any():
-            raise ConfigError(
-                f"{name} is not zero, and GptOssForCausalLM has no expert bias: the exported model would route "
-                "differently; export a model trained with model.moe_load_balance_coeff=0"
-            )
-        return []
+        return no_expert_bias(name, w, "GptOssForCausalLM")
     if match := EXPERTS.match(name):
         layer, projection, bias = match.groups()
         prefix = f"model.layers.{layer}.mlp.experts"

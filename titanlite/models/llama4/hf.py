@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
-from titanlite.errors import ConfigError
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, no_expert_bias, hf_tensors, read_hf_config, write_shards
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.llama4.args import Llama4Args, check_hf_exportable
 from titanlite.models.moe.hf import EXPERT_NAMES
@@ -46,12 +45,7 @@ def to_hf_tensors(name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor in its layout) of one titanlite tensor (routed experts: joined
     already, see joined_gate_up); none for a zero expert bias."""
     if EXPERT_BIAS.match(name):
-        if w.any():
-            raise ConfigError(
-                f"{name} is not zero, and Llama4ForCausalLM has no expert bias: the exported model would route "
-                "differently; export a model trained with model.moe_load_balance_coeff=0"
-            )
-        return []
+        return no_expert_bias(name, w, "Llama4ForCausalLM")
     if name in llama3_hf.TOP_NAMES:
         return [(llama3_hf.TOP_NAMES[name], w)]
     if match := EXPERTS.match(name):

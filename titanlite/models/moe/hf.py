@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, hf_tensors, read_hf_config, write_shards
-from titanlite.errors import ConfigError
+from titanlite.checkpoint.hf import SHARD_BYTES, check_config_values, no_expert_bias, hf_tensors, read_hf_config, write_shards
 from titanlite.models.common.args import MoEArgs
 from titanlite.models.llama3 import hf as llama3_hf
 from titanlite.models.moe.args import check_hf_exportable
@@ -33,12 +32,7 @@ def to_hf_tensors(name: str, w: torch.Tensor, args: MoEArgs) -> list[tuple[str, 
     """(Hugging Face name, tensor in its layout) of one titanlite tensor: one per expert for routed
     experts, none for a zero expert bias (Qwen3-MoE has none)."""
     if EXPERT_BIAS.match(name):
-        if w.any():
-            raise ConfigError(
-                f"{name} is not zero, and Qwen3MoeForCausalLM has no expert bias: the exported model would route "
-                "differently; export a model trained with model.moe_load_balance_coeff=0"
-            )
-        return []
+        return no_expert_bias(name, w, "Qwen3MoeForCausalLM")
     if match := EXPERTS.match(name):
         layer, projection = match.group(1), EXPERT_NAMES[match.group(2)]
         return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", w[e]) for e in range(w.shape[0])]
