@@ -324,3 +324,24 @@ def test_what_transformers_would_compute_otherwise_is_not_exported(change, words
     FAMILIES["gpt_oss"].check_hf_export(our_args())
     with pytest.raises(ConfigError, match=re.escape(words)):
         FAMILIES["gpt_oss"].check_hf_export(replace(our_args(), **change))
+
+
+@pytest.mark.parametrize("flavor, total, layout", [
+    ("120b", 116.8, ["NGPU=8", "NNODES=8", "--parallelism.expert_parallel_degree", "64"]),
+    ("20b", 20.9, ["NGPU=8", "NNODES=1", "--parallelism.expert_parallel_degree", "8"]),
+])
+def test_a_fake_backend_dry_run_reports_the_published_size(flavor, total, layout):
+    """run_train.sh as a user would check a layout before renting GPUs (COMM_MODE=fake_backend)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHON=sys.executable, COMM_MODE="fake_backend", CONFIG_FILE="train_configs/debug_gpt_oss.toml", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", **dict(word.split("=") for word in layout if "=" in word))
+    flags = [word for word in layout if "=" not in word]
+    result = subprocess.run(["./run_train.sh", "--model.flavor", flavor, "--training.seq_len", "4096", *flags],
+                            cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "dry run OK" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    params = int(re.search(r"model ([\d,]+) params", result.stdout).group(1).replace(",", ""))
+    assert round(params / 1e9, 1) == total
