@@ -121,8 +121,9 @@ class Trainer:
         self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
         self.replays = [replay for part in self.model_parts for replay in replays(part)]
         self.chunked_loss = t.loss_chunks > 1  # the model returns the summed loss of labels it is given
+        compile_loss = config.compile.enable and "loss" in config.compile.components
         for output in (m for part in self.model_parts for m in part.modules() if isinstance(m, OutputProjection)):
-            output.loss_chunks = t.loss_chunks
+            output.loss_chunks, output.compiled_loss = t.loss_chunks, compile_loss
         if self.moe_layers and device.type != "meta":
             log_line(configure_experts([layer.experts for layer in self.moe_layers], args.use_grouped_mm, device))
         self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
@@ -130,7 +131,6 @@ class Trainer:
         self.mtp_depth, self.mtp_loss_weight = getattr(args, "mtp_depth", 0), getattr(args, "mtp_loss_weight", 0.0)
         self.balance: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's MoE counts and aux loss
         self.loss_parallel = loss_parallel_enabled(self.dims, config)
-        compile_loss = config.compile.enable and "loss" in config.compile.components
         self.cross_entropy = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
         if self.dims.cp_enabled and device.type == "cpu":
             register_cpu_ring_attention()

@@ -54,14 +54,15 @@ class _ConcatenatedLinear(torch.autograd.Function):
 class OutputProjection(nn.Linear):
     """The output layer (hidden -> vocabulary logits). Given the labels too, it returns their summed
     cross entropy instead, computed `loss_chunks` pieces of tokens at a time so that the whole logits
-    never exist (loss.py's LinearCrossEntropy; the trainer sets `loss_chunks`)."""
+    never exist (loss.py's LinearCrossEntropy; the trainer sets `loss_chunks`, and `compiled_loss`
+    where compile.components has the loss)."""
 
-    loss_chunks = 1
+    loss_chunks, compiled_loss = 1, False
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(x)
-        return linear_cross_entropy(x, self.weight, labels, self.loss_chunks)
+        return linear_cross_entropy(x, self.weight, labels, self.loss_chunks, self.compiled_loss)
 
 
 def plain_linears(*modules: nn.Module) -> bool:
