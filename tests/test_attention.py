@@ -256,8 +256,40 @@ def test_block_causal_flavor_trains_through_the_cli_on_packed_text(corpus_jsonl,
         rows = metrics(tmp_path / name)
         curves[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
         logs[name] = out.stdout
-    assert "attention kernel flex not used: FlexAttention has no backward on cpu" in logs["single"]
-    assert "attention kernel" not in logs["causal"]
+    assert "masked SDPA with a boolean mask (flex not used: FlexAttention has no backward on cpu)" in logs["single"]
+    kernels = next(line for line in logs["causal"].splitlines() if "attention kernels:" in line)
+    assert kernels.endswith("attention kernels: causal SDPA (on CPU its flash kernel)"), kernels
     assert len(curves["single"]) == 7
     assert curve_difference(curves["cp2"], curves["single"]) < 1e-4, curves
     assert curve_difference(curves["causal"], curves["single"]) > 1e-3, curves
+
+
+@pytest.mark.parametrize("capability, fa3, kernel, words", [
+    (None, False, "sdpa", "SDPA (on CPU its flash kernel)"),
+    ((7, 0), False, "sdpa", "SDPA's own choice on sm_70"),
+    ((8, 0), False, "flash", "SDPA's FlashAttention-2 on sm_80"),
+    ((8, 9), True, "flash", "SDPA's FlashAttention-2 on sm_89"),  # FA3 is Hopper's only
+    ((9, 0), False, "cudnn", "SDPA's cuDNN attention on sm_90"),
+    ((9, 0), True, "fa3", "FlashAttention-3 (flash_attn_interface) on sm_90"),
+    ((10, 0), True, "cudnn", "SDPA's cuDNN attention on sm_100"),
+    ((12, 0), False, "cudnn", "SDPA's cuDNN attention on sm_120"),
+])
+def test_causal_attention_picks_each_gpus_fastest_kernel(capability, fa3, kernel, words):
+    from titanlite.models.common.attention import choose_causal_kernel
+
+    assert choose_causal_kernel(capability, fa3) == (kernel, words)
+
+
+def test_the_chosen_sdpa_backend_runs_and_compiles_in_the_block(monkeypatch):
+    """The causal kernel's SDPA backend is a context around SDPA: the CPU's flash kernel (which
+    SDPBackend.FLASH_ATTENTION names there too) gives what SDPA's own choice does, also in a fullgraph
+    compile; cuDNN's, which the CPU lacks, is refused (so the backend is applied, not only logged)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))
+    expected = CoreAttention()(q, k, v, None)
+    monkeypatch.setattr(CoreAttention, "causal_kernel", "flash")
+    compiled = torch.compile(CoreAttention(), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, None), expected, rtol=0, atol=0)
+    monkeypatch.setattr(CoreAttention, "causal_kernel", "cudnn")
+    with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention"):
+        CoreAttention()(q, k, v, None)

@@ -12,7 +12,6 @@ import itertools
 import math
 import os
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from titanlite.health import SpikeGuard, hosts
 from titanlite.loss import IGNORED, cross_entropy_sum
 from titanlite.metrics import MetricsLogger, log_line
 from titanlite.models import FAMILIES, MoEArgs, build_model, model_args
-from titanlite.models.common.attention import document_layout
+from titanlite.models.common.attention import attention_kernels, document_layout
 from titanlite.models.common.linear import OutputProjection
 from titanlite.models.common.moe import configure_experts, global_balance, set_batch, update_expert_bias
 from titanlite.optim.build import build_optimizer, check_adamw_params
@@ -85,14 +84,9 @@ class Trainer:
         self.document_masking = args.attn_mask_type == "block_causal"
         # Masks other than documents' (Llama 4's chunks) need each token's position in the window.
         self.masked_attention = args.masked_attention
-        if args.masked_attention and args.attn_type != "sdpa" and device.type != "meta":
-            why = (
-                f"FlexAttention has no backward on {device.type}, so the exact SDPA path runs" if device.type != "cuda"
-                else "under context parallel the masked ring runs" if self.dims.cp_enabled else None
-            )
-            if why:
-                log_line(f"attention kernel {args.attn_type} not used: {why}")
-                args = replace(args, attn_type="sdpa")  # builds no block mask
+        if device.type != "meta":
+            args, kernels = attention_kernels(args, device, self.dims.cp_enabled)
+            log_line(kernels)
         family = FAMILIES[config.model.name]
         family.check(args, self.dims)
         if config.checkpoint.enable and config.checkpoint.last_save_in_hf:

@@ -16,11 +16,14 @@ Context parallel swaps each `CoreAttention` for a ring over the cp ranks (parall
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titanlite.models.common.args import ModelArgs
 from titanlite.models.common.linear import FusedLinear, plain_linears
@@ -81,6 +84,42 @@ def visible(q_document, q_position, kv_document, kv_position, window: int = 0):
     return seen & (q_position - kv_position < window) if window else seen
 
 
+# Causal attention's kernels: SDPA's backends (None: torch's own choice), or FlashAttention-3.
+SDPA_BACKENDS = {"sdpa": None, "cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION]}
+
+
+def choose_causal_kernel(capability: tuple[int, int] | None, fa3_installed: bool) -> tuple[str, str]:
+    """(kernel, what the log says) of causal attention on a device (`capability`: CUDA's compute
+    capability; None: CPU). Hopper: FlashAttention-3 where flash_attn_interface is installed, else
+    SDPA's cuDNN attention; Blackwell: cuDNN's; Ampere and Ada: SDPA's FlashAttention-2."""
+    if capability is None:
+        return "sdpa", "SDPA (on CPU its flash kernel)"
+    sm = "sm_" + "".join(map(str, capability))
+    if capability[0] == 9 and fa3_installed:
+        return "fa3", f"FlashAttention-3 (flash_attn_interface) on {sm}"
+    if capability >= (9, 0):
+        return "cudnn", f"SDPA's cuDNN attention on {sm}"
+    if capability >= (8, 0):
+        return "flash", f"SDPA's FlashAttention-2 on {sm}"
+    return "sdpa", f"SDPA's own choice on {sm}"
+
+
+def attention_kernels(args: ModelArgs, device: torch.device, cp_enabled: bool) -> tuple[ModelArgs, str]:
+    """The run's kernels: causal attention's on this device (set on CoreAttention), and masked
+    attention's (model.attn_type, where it can run: FlexAttention trains on CUDA only, and under context
+    parallel the masked ring runs). Returns the args to build with and the line the log shows."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    CoreAttention.causal_kernel, causal = choose_causal_kernel(capability, importlib.util.find_spec("flash_attn_interface") is not None)
+    line = f"attention kernels: causal {causal}"
+    if not args.masked_attention:
+        return args, line
+    why = (f"FlexAttention has no backward on {device.type}" if device.type != "cuda"
+           else "under context parallel the masked ring runs" if cp_enabled else None)
+    if why and args.attn_type != "sdpa":
+        return replace(args, attn_type="sdpa"), f"{line}; masked SDPA with a boolean mask ({args.attn_type} not used: {why})"
+    return args, f"{line}; masked {'FlexAttention' if args.attn_type != 'sdpa' else 'SDPA with a boolean mask'}"
+
+
 class CoreAttention(nn.Module):
     """q (batch, heads, seq, head_dim); k, v with n_kv_heads heads (GQA shares each among the query
     heads in order). No parameters: swapping it (context parallel) leaves checkpoints unchanged.
@@ -93,6 +132,8 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.register_buffer("max_logits", None, persistent=False)
 
+    causal_kernel = "sdpa"  # attention_kernels sets it for the device
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`sinks`: one logit per (local) query head that joins each softmax (gpt-oss; models/common/sinks.py)."""
@@ -104,6 +145,8 @@ class CoreAttention(nn.Module):
         if mask is not None and mask.block_mask is not None:
             flex_attention = compiled("flex_attention")
             return flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        if mask is None and self.causal_kernel == "fa3":
+            return flash_attention_3(q, k, v)
         repeats = q.shape[1] // k.shape[1]
         # CPU's flash kernel shares the kv heads itself (6% faster than copies). On CUDA only the flash
         # kernel does, which takes no mask nor fp32: elsewhere SDPA would fall back to its math path.
@@ -111,9 +154,20 @@ class CoreAttention(nn.Module):
         if not shared_in_kernel:
             k, v = (t.repeat_interleave(repeats, dim=1) if repeats > 1 else t for t in (k, v))
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=shared_in_kernel)
+            backends = SDPA_BACKENDS[self.causal_kernel]
+            with sdpa_kernel(backends) if backends else nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=shared_in_kernel)
         allowed = mask.allowed(mask.document_ids, mask.positions)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=shared_in_kernel)
+
+
+def flash_attention_3(q, k, v) -> torch.Tensor:
+    """Causal attention by FlashAttention-3 (Hopper; the flash_attn_interface package), which takes
+    (b, s, heads, d) and shares kv heads itself."""
+    from flash_attn_interface import flash_attn_func
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
 
 def attention_with_sinks(q, k, v, mask: DocumentMask | None, sinks: torch.Tensor) -> torch.Tensor:
