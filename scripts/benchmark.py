@@ -3,16 +3,22 @@
     python scripts/benchmark.py --preset cpu            # debug shape: 1 rank, FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2,
                                                         # block_causal on 1 rank and CP 2;
                                                         # debug MoE: 1 rank, EP 2, EP 2 x FSDP 2
-    python scripts/benchmark.py --preset gpu            # Llama 3 8B shape (8 blocks) on one GPU: bf16/float8, compile, AC;
-                                                        # block_causal on FlexAttention and on SDPA's mask;
-                                                        # Qwen3-30B-A3B shape (4 blocks), bf16 + compile
+    python scripts/benchmark.py --preset gpu            # one GPU, compiled, the short run: Llama 3 8B's blocks in
+                                                        # bf16 and float8 (tensorwise, rowwise); Qwen3-30B-A3B's in
+                                                        # bf16 and with float8 grouped GEMMs; DeepSeek-V2-Lite's;
+                                                        # gpt-oss-20b's
+    python scripts/benchmark.py --preset gpu_more       # the other GPU rows: AC modes, document masks, the chunked loss
     python scripts/benchmark.py --preset cpu --only 1rank fsdp2 --steps 30
 
 Each run is a torchrun of `titanlite.train`; the steps after --warmup are averaged. One row per run
-is appended to OUT/results.jsonl (and OUT/results.csv rewritten); the table is printed and drawn
-to OUT/results.png. Runs with `bare=True` also time a bare loop (forward, backward, clip, AdamW)
-of the same model on the same batches in a fresh process, and report the trainer's overhead (the
-median of --overhead-repeats trainer/bare pairs).
+is appended to OUT/results.jsonl (and OUT/results.csv rewritten), with the attention kernels the
+run's log names; the table is printed and drawn to OUT/results.png. With --profile the last step
+of each run is profiled, and its 15 costliest kernels land in OUT/<preset>/<row>/top_kernels.txt.
+--budget-s starts no row once that many seconds have passed (the rows left are named). --dry-run
+checks each row's command as a COMM_MODE=fake_backend dry run in one process (the script's logic,
+on any machine; nothing is timed). Runs with `bare=True` also time a bare loop (forward, backward,
+clip, AdamW) of the same model on the same batches in a fresh process, and report the trainer's
+overhead (the median of --overhead-repeats trainer/bare pairs).
 """
 
 from __future__ import annotations
@@ -62,9 +68,9 @@ GPU_DSV3_SHAPE = ["--model.name", "deepseek_v3", "--model.flavor", "16B", "--mod
 # Qwen3-30B-A3B's block shape (128 experts, top 8, q/k norms) with 4 of its 48 blocks: one GPU.
 GPU_MOE_SHAPE = ["--model.name", "moe", "--model.flavor", "qwen3_30b_a3b", "--model.n_layers", "4", "--training.seq_len", "4096",
                  "--training.local_batch_size", "2"]
-# gpt-oss-20b's block shape (sinks, windows of 128 on every other block, 32 experts, top 4) with 4 of
+# gpt-oss-20b's block shape (sinks, a window of 128 on the first block, 32 experts, top 4) with 2 of
 # its 24 blocks: one GPU.
-GPU_GPT_OSS_SHAPE = ["--model.name", "gpt_oss", "--model.flavor", "20b", "--model.n_layers", "4", "--training.seq_len", "4096",
+GPU_GPT_OSS_SHAPE = ["--model.name", "gpt_oss", "--model.flavor", "20b", "--model.n_layers", "2", "--training.seq_len", "4096",
                      "--training.local_batch_size", "2"]
 
 PRESETS = {
@@ -85,11 +91,21 @@ PRESETS = {
         Run("l4_1rank", 1, L4),
         Run("l4_cp2", 2, L4 + [CP, "2"]),
     ]),
+    # The short GPU run (scripts/gpu_benchmark.sh): what a GPU lent for minutes should measure first.
     "gpu": (GPU_SHAPE, None, [
-        Run("bf16", 1),
         Run("bf16_compile", 1, COMPILE),
         Run("float8_tensorwise_compile", 1, COMPILE + FLOAT8),
         Run("float8_rowwise_compile", 1, COMPILE + FLOAT8 + ["--quantize.linear.float8.recipe_name", "rowwise"]),
+        Run("moe_qwen3_30b_a3b_bf16_compile", 1, GPU_MOE_SHAPE + COMPILE),
+        # The routed experts' grouped GEMMs in float8 (rowwise, torch._scaled_grouped_mm).
+        Run("moe_qwen3_30b_a3b_bf16_compile_float8_grouped", 1, GPU_MOE_SHAPE + COMPILE + [
+            "--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"]),
+        Run("dsv3_16b_4_blocks_bf16_compile", 1, GPU_DSV3_SHAPE + COMPILE),
+        # gpt-oss-20b-shaped blocks in bf16, compiled: sinks and windows on FlexAttention.
+        Run("gpt_oss_20b_2_blocks_bf16_flex_compile", 1, GPU_GPT_OSS_SHAPE + COMPILE + ["--model.attn_type", "flex"]),
+    ]),
+    "gpu_more": (GPU_SHAPE, None, [
+        Run("bf16", 1),
         # The per-op policy: mode selective alone checkpoints every second block (selective_ac_option's default, 2).
         Run("bf16_compile_ac_op", 1, COMPILE + ["--activation_checkpoint.mode", "selective",
                                                 "--activation_checkpoint.selective_ac_option", "op"]),
@@ -97,19 +113,12 @@ PRESETS = {
         # Document masks at seq 8192, against bf16_compile (SDPA causal): FlexAttention, SDPA's boolean mask.
         Run("bf16_compile_block_causal_flex", 1, COMPILE + BLOCK_CAUSAL + ["flex"]),
         Run("bf16_compile_block_causal_sdpa", 1, COMPILE + BLOCK_CAUSAL + ["sdpa"]),
-        Run("moe_qwen3_30b_a3b_bf16_compile", 1, GPU_MOE_SHAPE + COMPILE),
-        # The output projection and loss at Qwen3's 152K vocabulary, 8 pieces of tokens at a time.
+        # The output projection and loss at Qwen3's 152K vocabulary, 8 pieces of tokens at a time (compiled).
         Run("moe_qwen3_30b_a3b_bf16_compile_loss_chunks8", 1, GPU_MOE_SHAPE + COMPILE + ["--training.loss_chunks", "8"]),
-        # The routed experts' grouped GEMMs in float8 (rowwise, torch._scaled_grouped_mm).
-        Run("moe_qwen3_30b_a3b_bf16_compile_float8_grouped", 1, GPU_MOE_SHAPE + COMPILE + [
-            "--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"]),
         Run("dsv3_debug_bf16_compile", 1, DSV3 + COMPILE + ["--training.seq_len", "4096", "--training.local_batch_size", "8"]),
-        Run("dsv3_16b_4_blocks_bf16_compile", 1, GPU_DSV3_SHAPE + COMPILE),
-        # The issue's row: Llama 4's debug model in bf16 on FlexAttention (chunked block masks), seq 8192.
+        # Llama 4's debug model in bf16 on FlexAttention (chunked block masks), seq 8192.
         Run("l4_debug_bf16_flex_compile", 1, L4 + COMPILE + ["--model.attn_type", "flex", "--training.seq_len", "8192",
                                                              "--training.local_batch_size", "2"]),
-        # The issue's row: gpt-oss-20b-shaped blocks in bf16, compiled, sinks and windows on FlexAttention.
-        Run("gpt_oss_20b_4_blocks_bf16_flex_compile", 1, GPU_GPT_OSS_SHAPE + COMPILE + ["--model.attn_type", "flex"]),
     ]),
     # A quick end-to-end check of this script (the tests run it).
     "smoke": (["--training.seq_len", "64", "--training.local_batch_size", "2"], 1, [Run("1rank", 1, bare=True), Run("fsdp2", 2)]),
@@ -176,6 +185,39 @@ def overhead(targs: list[str], first_step_time: float, run: Run, per_rank: int |
     ratios = sorted(t / b for t, b in zip(trainer_times, bare_times))
     return {"bare_step_time_s": sorted(bare_times)[len(bare_times) // 2], "overhead_pct": 100 * (ratios[len(ratios) // 2] - 1),
             "overhead_pct_each": [round(100 * (r - 1), 2) for r in ratios]}
+
+
+def profiling(steps: int) -> list[str]:
+    """Trainer flags that profile the last step (after one profiler warm-up step)."""
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps), "--profiling.profiler_warmup", "1",
+            "--profiling.profiler_active", "1", "--profiling.save_traces_folder", "profile_trace"]
+
+
+def top_kernels(folder: Path) -> str:
+    """Copies rank 0's table of the profiled step's costliest kernels to the row's folder; its path."""
+    tables = sorted(folder.glob("profile_trace/iteration_*/rank0_top_kernels.txt"), key=lambda p: p.stat().st_mtime)
+    if not tables:
+        return ""
+    (folder / "top_kernels.txt").write_text(tables[-1].read_text())
+    return str(folder / "top_kernels.txt")
+
+
+def attention_kernels(log: Path) -> str:
+    """What the run's log says of its attention kernels ('' where it says nothing)."""
+    lines = [line for line in log.read_text().splitlines() if "attention kernels: " in line]
+    return lines[-1].split("attention kernels: ", 1)[1].strip() if lines else ""
+
+
+def dry_run(run: Run, targs: list[str], folder: Path) -> None:
+    """The run's command as a COMM_MODE=fake_backend dry run of its layout in one process."""
+    env = os.environ | {"WORLD_SIZE": str(run.nproc)}
+    out = subprocess.run([sys.executable, "-m", "titanlite.train", *targs, "--comm.mode", "fake_backend"], env=env,
+                         capture_output=True, text=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "dry_run.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0 or "dry run OK" not in out.stdout:
+        raise RuntimeError(f"{run.name}: the dry run failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    print(f"    {out.stdout.strip().splitlines()[-1].strip()}", flush=True)
 
 
 def device_description() -> dict:
@@ -265,6 +307,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the averages (compile, allocator)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "benchmark")
     parser.add_argument("--overhead-repeats", type=int, default=3, help="trainer/bare-loop pairs for the overhead")
+    parser.add_argument("--profile", action="store_true", help="profile each run's last step: its 15 costliest kernels")
+    parser.add_argument("--budget-s", type=float, default=0, help="start no run after this many seconds (0: no limit)")
+    parser.add_argument("--dry-run", action="store_true", help="check each run's command in one process (fake backend)")
     parser.add_argument("--bare-loop", help=argparse.SUPPRESS)  # internal: JSON args of one bare-loop measurement
     args = parser.parse_args()
     if args.bare_loop:
@@ -276,26 +321,36 @@ def main() -> None:
 
     shape, threads, runs = PRESETS[args.preset]
     runs = [r for r in runs if not args.only or r.name in args.only]
-    tokenizer, dataset = gpu_inputs(args.out) if args.preset == "gpu" else cpu_inputs(args.out)
+    tokenizer, dataset = gpu_inputs(args.out) if args.preset.startswith("gpu") else cpu_inputs(args.out)
     about = device_description() | {"preset": args.preset, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    results = []
+    results, started = [], time.monotonic()
     for i, run in enumerate(runs, 1):
+        if args.budget_s and time.monotonic() - started > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent: not run: {', '.join(r.name for r in runs[i - 1:])}", flush=True)
+            break
         folder = args.out / args.preset / run.name
         print(f"[{i}/{len(runs)}] {run.name}: {run.nproc} process(es) {' '.join(run.overrides)}", flush=True)
-        targs = trainer_args(shape, run, tokenizer, dataset, args.steps, folder)
+        targs = trainer_args(shape, run, tokenizer, dataset, args.steps, folder) + (profiling(args.steps) if args.profile else [])
+        if args.dry_run:
+            dry_run(run, targs, folder)
+            continue
         # threads: the CPU's cores split over the ranks (2 cores: 2 for one rank, 1 each for more).
         per_rank = max(1, threads // run.nproc) if threads else None
         run_trainer(run.nproc, targs, per_rank, log=folder / "train.log")
-        row = about | summarize(run, read_metrics(folder), args.warmup)
+        row = about | summarize(run, read_metrics(folder), args.warmup) | {"attention": attention_kernels(folder / "train.log")}
+        if args.profile:
+            row["top_kernels"] = top_kernels(folder)
         if run.bare:
             row |= overhead(targs, row["step_time_s"], run, per_rank, args)
         print(f"    {row['tps_per_device']:,.0f} tokens/s per device, MFU {row['mfu']:.2f}%, "
-              f"peak {row['peak_memory_gib']:.2f} GiB" + (f", overhead {row['overhead_pct']:+.1f}%" if run.bare else ""),
-              flush=True)
+              f"peak {row['peak_memory_gib']:.2f} GiB" + (f", overhead {row['overhead_pct']:+.1f}%" if run.bare else "")
+              + f"; attention: {row['attention']}", flush=True)
         results.append(row)
         with open(args.out / "results.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
+    if args.dry_run or not results:
+        return
     every = [json.loads(line) for line in open(args.out / "results.jsonl")]
     with open(args.out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in every for k in r}))

@@ -13,7 +13,7 @@ from helpers import REPO, run_command
 @pytest.mark.full  # in scripts/test_full.sh: the default suite stays under 20 minutes
 def test_benchmark_smoke_preset_writes_rows_table_and_plot(tmp_path):
     out = run_command([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--preset", "smoke", "--steps", "6",
-                       "--warmup", "2", "--overhead-repeats", "2", "--out", str(tmp_path)], timeout=400)
+                       "--warmup", "2", "--overhead-repeats", "2", "--profile", "--out", str(tmp_path)], timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert [r["name"] for r in rows] == ["1rank", "fsdp2"]
@@ -21,6 +21,9 @@ def test_benchmark_smoke_preset_writes_rows_table_and_plot(tmp_path):
         assert r["tps_per_device"] > 0 and 0 < r["mfu"] < 100 and r["peak_memory_gib"] > 0 and 0 <= r["data_share"] < 1
         assert abs(r["tps_total"] - r["nproc"] * r["tps_per_device"]) < 1e-6 * r["tps_total"]
     assert rows[0]["bare_step_time_s"] > 0 and len(rows[0]["overhead_pct_each"]) == 2
+    for r in rows:  # the kernels the log named, and the profiled last step's costliest ops
+        assert r["attention"] == "causal SDPA (on CPU its flash kernel)"
+        assert "aten::mm" in open(r["top_kernels"]).read()
     assert "| 1rank | 1 |" in out.stdout and (tmp_path / "results.csv").exists()
     assert (tmp_path / "results_smoke.png").stat().st_size > 10_000
 
@@ -114,3 +117,30 @@ def test_every_mutation_still_applies_once_and_names_existing_tests():
             path, _, name = test.partition("::")
             function = re.sub(r"\[.*\]$", "", name)
             assert (REPO / path).is_file() and (not function or f"def {function}(" in (REPO / path).read_text()), (entry["name"], test)
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_scripts_rows_pass_a_dry_run(tmp_path):
+    """scripts/gpu_benchmark.sh's logic on CPU: DRY_RUN=1 checks every row of the gpu preset (the exact
+    shapes, compile, float8, float8 grouped GEMMs, FlexAttention) as a fake-backend dry run."""
+    import os
+
+    env = os.environ | {"DRY_RUN": "1", "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = run_command(["bash", str(REPO / "scripts" / "gpu_benchmark.sh"), str(tmp_path)], timeout=600, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sys.path.insert(0, str(REPO / "scripts"))
+    from benchmark import PRESETS
+
+    rows = [run.name for run in PRESETS["gpu"][2]]
+    assert {"bf16_compile", "float8_rowwise_compile", "moe_qwen3_30b_a3b_bf16_compile_float8_grouped",
+            "dsv3_16b_4_blocks_bf16_compile", "gpt_oss_20b_2_blocks_bf16_flex_compile"} <= set(rows)
+    assert out.stdout.count("dry run OK") == len(rows), out.stdout[-3000:]
+    assert all((tmp_path / "bench" / "gpu" / row / "dry_run.log").is_file() for row in rows)
+
+
+def test_the_benchmark_starts_no_run_once_its_budget_is_spent(tmp_path):
+    out = run_command([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--preset", "gpu", "--dry-run", "--budget-s",
+                       "1e-9", "--only", "bf16_compile", "gpt_oss_20b_2_blocks_bf16_flex_compile", "--out", str(tmp_path)],
+                      timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "not run: bf16_compile, gpt_oss_20b_2_blocks_bf16_flex_compile" in out.stdout

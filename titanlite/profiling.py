@@ -1,7 +1,8 @@
 """torch.profiler traces every `profile_freq` steps, and CUDA memory snapshots (GPU only).
 
 Traces: <dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json (open in
-chrome://tracing or Perfetto). Memory snapshots: <dump_folder>/<save_memory_snapshot_folder>/
+chrome://tracing or Perfetto), beside rank<r>_top_kernels.txt: the 15 kernels that took the most
+GPU time (on CPU, the ops that took the most CPU time), as a table. Memory snapshots: <dump_folder>/<save_memory_snapshot_folder>/
 iteration_<step>/rank<r>_memory_snapshot.pickle (drag into pytorch.org/memory_viz). Snapshots
 record the CUDA caching allocator, so on CPU they are skipped with a note.
 """
@@ -13,6 +14,9 @@ from pathlib import Path
 import torch
 
 from titanlite.metrics import log_line
+
+
+TOP_KERNELS = 15
 
 
 class Profiler:
@@ -44,6 +48,8 @@ class Profiler:
         folder = self.traces / f"iteration_{self.step}"
         folder.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
+        by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        (folder / f"rank{self.rank}_top_kernels.txt").write_text(prof.key_averages().table(sort_by=by, row_limit=TOP_KERNELS))
 
     def after_step(self, step: int) -> None:
         self.step = step
