@@ -91,7 +91,7 @@ PRESETS = {
         Run("l4_1rank", 1, L4),
         Run("l4_cp2", 2, L4 + [CP, "2"]),
     ]),
-    # The short GPU run (scripts/gpu_benchmark.sh): what a GPU lent for minutes should measure first.
+    # The short GPU run (scripts/gpu_benchmark.sh): what a GPU at hand for minutes should measure first.
     "gpu": (GPU_SHAPE, None, [
         Run("bf16_compile", 1, COMPILE),
         Run("float8_tensorwise_compile", 1, COMPILE + FLOAT8),

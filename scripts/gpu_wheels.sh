@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine that has torch and no network (scripts/gpu_benchmark.sh installs them from
-# .whl/): torchdata at this checkout's version, for CPython 3.12 on x86-64 (the lent GPU machines'),
+# .whl/): torchdata at this checkout's version, for CPython 3.12 on x86-64 (the GPU machines' Python),
 # and any other package named on the command line (NAME or NAME==VERSION), without their dependencies.
 #   bash scripts/gpu_wheels.sh [NAME ...]       e.g. bash scripts/gpu_wheels.sh datasets==4.0.0
 set -euo pipefail
