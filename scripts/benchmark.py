@@ -323,21 +323,30 @@ def main() -> None:
     runs = [r for r in runs if not args.only or r.name in args.only]
     tokenizer, dataset = gpu_inputs(args.out) if args.preset.startswith("gpu") else cpu_inputs(args.out)
     about = device_description() | {"preset": args.preset, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    results, started = [], time.monotonic()
+    results, failed, started = [], [], time.monotonic()
     for i, run in enumerate(runs, 1):
-        if args.budget_s and time.monotonic() - started > args.budget_s:
+        left = args.budget_s - (time.monotonic() - started) if args.budget_s else None
+        if left is not None and left <= 0:
             print(f"budget of {args.budget_s:.0f} s spent: not run: {', '.join(r.name for r in runs[i - 1:])}", flush=True)
             break
         folder = args.out / args.preset / run.name
         print(f"[{i}/{len(runs)}] {run.name}: {run.nproc} process(es) {' '.join(run.overrides)}", flush=True)
-        targs = trainer_args(shape, run, tokenizer, dataset, args.steps, folder) + (profiling(args.steps) if args.profile else [])
+        # Profiled: two more steps (the profiler's warm-up and recorded ones), out of the averages.
+        steps = args.steps + (2 if args.profile else 0)
+        targs = trainer_args(shape, run, tokenizer, dataset, steps, folder) + (profiling(steps) if args.profile else [])
         if args.dry_run:
             dry_run(run, targs, folder)
             continue
         # threads: the CPU's cores split over the ranks (2 cores: 2 for one rank, 1 each for more).
         per_rank = max(1, threads // run.nproc) if threads else None
-        run_trainer(run.nproc, targs, per_rank, log=folder / "train.log")
-        row = about | summarize(run, read_metrics(folder), args.warmup) | {"attention": attention_kernels(folder / "train.log")}
+        try:  # a failed (or out-of-budget) run is reported, and the next one runs
+            run_trainer(run.nproc, targs, per_rank, log=folder / "train.log", timeout=left)
+        except RuntimeError as e:
+            print(f"    FAILED: {str(e).splitlines()[0]} (its log: {folder / 'train.log'})", flush=True)
+            failed.append(run.name)
+            continue
+        measured = read_metrics(folder)[: args.steps]
+        row = about | summarize(run, measured, args.warmup) | {"attention": attention_kernels(folder / "train.log")}
         if args.profile:
             row["top_kernels"] = top_kernels(folder)
         if run.bare:
@@ -349,8 +358,10 @@ def main() -> None:
         with open(args.out / "results.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
+    if failed:
+        print(f"failed: {', '.join(failed)}", flush=True)
     if args.dry_run or not results:
-        return
+        sys.exit(1 if failed else 0)
     every = [json.loads(line) for line in open(args.out / "results.jsonl")]
     with open(args.out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in every for k in r}))
@@ -359,6 +370,7 @@ def main() -> None:
     print(f"\n{about['device']}, torch {about['torch']}, preset {args.preset}, {args.steps} steps ({args.warmup} warm-up)\n")
     print(table(results))
     plot(results, args.out / f"results_{args.preset}.png", f"titanlite {args.preset} preset on {about['device']}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

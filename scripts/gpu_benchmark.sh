@@ -26,10 +26,15 @@ fi
 { nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv || echo "no nvidia-smi"; } | tee "$out/gpu.txt"
 "$PYTHON" -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
 "$PYTHON" scripts/gpu_moe_check.py 2>&1 | tee "$out/moe_check.log" || true  # MoE numerics on this GPU
-# ONLY: names of the preset's rows to run (all by default); STEPS, WARMUP: per row.
+# ONLY: names of the preset's rows to run (all by default); STEPS, WARMUP: per row. A failed row is
+# reported and the next one runs; the files are copied out whatever happened.
+set +e
 "$PYTHON" scripts/benchmark.py --preset gpu --profile --budget-s "${BUDGET_S:-420}" --steps "${STEPS:-10}" \
     --warmup "${WARMUP:-4}" ${ONLY:+--only $ONLY} --out "$out/bench" 2>&1 | tee "$out/benchmark.log"
+status=${PIPESTATUS[0]}
+set -e
 cp "$out"/bench/results.* "$out"/bench/results_gpu.png "$out"/ 2>/dev/null || true
 for table in "$out"/bench/gpu/*/top_kernels.txt; do
     if [ -f "$table" ]; then cp "$table" "$out/top_kernels_$(basename "$(dirname "$table")").txt"; fi
 done
+exit "$status"

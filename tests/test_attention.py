@@ -264,32 +264,46 @@ def test_block_causal_flavor_trains_through_the_cli_on_packed_text(corpus_jsonl,
     assert curve_difference(curves["causal"], curves["single"]) > 1e-3, curves
 
 
-@pytest.mark.parametrize("capability, fa3, kernel, words", [
-    (None, False, "sdpa", "SDPA (on CPU its flash kernel)"),
-    ((7, 0), False, "sdpa", "SDPA's own choice on sm_70"),
-    ((8, 0), False, "flash", "SDPA's FlashAttention-2 on sm_80"),
-    ((8, 9), True, "flash", "SDPA's FlashAttention-2 on sm_89"),  # FA3 is Hopper's only
-    ((9, 0), False, "cudnn", "SDPA's cuDNN attention on sm_90"),
-    ((9, 0), True, "fa3", "FlashAttention-3 (flash_attn_interface) on sm_90"),
-    ((10, 0), True, "cudnn", "SDPA's cuDNN attention on sm_100"),
-    ((12, 0), False, "cudnn", "SDPA's cuDNN attention on sm_120"),
+@pytest.mark.parametrize("capability, kernel, words", [
+    (None, "sdpa", "SDPA (on CPU its flash kernel)"),
+    ((7, 0), "sdpa", "SDPA's own choice on sm_70"),
+    ((8, 0), "flash", "SDPA's FlashAttention-2 on sm_80"),
+    ((8, 9), "flash", "SDPA's FlashAttention-2 on sm_89"),
+    ((9, 0), "cudnn", "SDPA's cuDNN attention on sm_90"),
+    ((10, 0), "cudnn", "SDPA's cuDNN attention on sm_100"),
+    ((12, 0), "cudnn", "SDPA's cuDNN attention on sm_120"),
 ])
-def test_causal_attention_picks_each_gpus_fastest_kernel(capability, fa3, kernel, words):
+def test_causal_attention_picks_each_gpus_fastest_kernel(capability, kernel, words):
     from titanlite.models.common.attention import choose_causal_kernel
 
-    assert choose_causal_kernel(capability, fa3) == (kernel, words)
+    assert choose_causal_kernel(capability) == (kernel, words)
 
 
-def test_the_chosen_sdpa_backend_runs_and_compiles_in_the_block(monkeypatch):
-    """The causal kernel's SDPA backend is a context around SDPA: the CPU's flash kernel (which
-    SDPBackend.FLASH_ATTENTION names there too) gives what SDPA's own choice does, also in a fullgraph
-    compile; cuDNN's, which the CPU lacks, is refused (so the backend is applied, not only logged)."""
+def test_the_chosen_sdpa_backend_comes_first_falls_back_and_compiles(monkeypatch):
+    """The causal kernel is a preference around SDPA (set_priority), not an order to use it alone: on
+    CPU cuDNN's attention, which the CPU lacks, gives way to the CPU's flash kernel (as cuDNN's does
+    to the others on a GPU for fp32 or deterministic runs); the context compiles in a fullgraph block."""
+    from contextlib import contextmanager
+
+    from torch.nn.attention import SDPBackend
+
+    from titanlite.models.common import attention
+
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))
     expected = CoreAttention()(q, k, v, None)
-    monkeypatch.setattr(CoreAttention, "causal_kernel", "flash")
+    monkeypatch.setattr(CoreAttention, "causal_kernel", "cudnn")
+    torch.testing.assert_close(CoreAttention()(q, k, v, None), expected, rtol=0, atol=0)
     compiled = torch.compile(CoreAttention(), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v, None), expected, rtol=0, atol=0)
-    monkeypatch.setattr(CoreAttention, "causal_kernel", "cudnn")
-    with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention"):
-        CoreAttention()(q, k, v, None)
+    entered = []
+
+    @contextmanager
+    def recorded(backends, set_priority=False):
+        entered.append((backends, set_priority))
+        yield
+
+    monkeypatch.setattr(attention, "sdpa_kernel", recorded)
+    CoreAttention()(q, k, v, None)
+    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    assert entered == [(cudnn_first, True)]

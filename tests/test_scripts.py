@@ -144,3 +144,35 @@ def test_the_benchmark_starts_no_run_once_its_budget_is_spent(tmp_path):
                       timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "not run: bf16_compile, gpt_oss_20b_2_blocks_bf16_flex_compile" in out.stdout
+
+
+def test_the_top_kernels_table_counts_gpu_kernels_not_the_ops_that_launch_them():
+    """On a GPU the profile's table ranks kernels by their GPU time; the aten op that launched a kernel
+    (a CPU event carrying the same GPU time) is left out, or each kernel would count twice."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from titanlite.profiling import top_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key="aten::mm", device_type=cpu, self_device_time_total=900.0, self_cpu_time_total=50.0, count=4),
+              SimpleNamespace(key="sm90_gemm", device_type=cuda, self_device_time_total=900.0, self_cpu_time_total=0.0, count=4),
+              SimpleNamespace(key="flash_fwd", device_type=cuda, self_device_time_total=300.0, self_cpu_time_total=0.0, count=2)]
+    table = top_kernels(events, gpu=True).splitlines()
+    assert table[2:4] == ["| sm90_gemm | 0.900 | 4 | 75.0% |", "| flash_fwd | 0.300 | 2 | 25.0% |"]
+    assert not any("aten::mm" in line for line in table)
+
+
+@pytest.mark.slow
+def test_a_run_past_its_time_is_killed_with_its_workers(corpus_jsonl, tmp_path):
+    """scripts/benchmark.py gives each run what is left of --budget-s: past it, torchrun and its ranks go."""
+    import subprocess
+
+    from helpers import tiny_args
+    from titanlite.launch import run_trainer
+
+    with pytest.raises(RuntimeError, match="stopped after 8 s"):
+        run_trainer(2, tiny_args(corpus_jsonl, tmp_path, "--training.steps", "100000"), log=tmp_path / "train.log", timeout=8)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert left == [], left

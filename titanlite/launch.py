@@ -3,31 +3,42 @@ scripts/benchmark.py and scripts/loss_compare.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 
-def run_trainer(nproc: int, args: list[str], threads_per_rank: int | None = None, log: Path | None = None) -> None:
+def run_trainer(nproc: int, args: list[str], threads_per_rank: int | None = None, log: Path | None = None,
+                timeout: float | None = None) -> None:
     """torchrun --standalone -m titanlite.train ARGS; rank 0's output goes to `log` (or the console).
-    Raises with the log's tail if the run fails."""
+    Raises with the log's tail if the run fails or outlasts `timeout` seconds (then torchrun and its ranks are stopped)."""
     env = dict(os.environ)
     if threads_per_rank:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "--local-ranks-filter=0", "-m", "titanlite.train", *args]
-    if log is None:
-        result = subprocess.run(cmd, env=env)
-    else:
+    if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as out:
-            result = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
+    with open(log, "w") if log is not None else contextlib.nullcontext() as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun stops its workers on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            returncode = f"stopped after {timeout:.0f} s"
+    if returncode != 0:
         tail = log.read_text()[-3000:] if log else ""
-        raise RuntimeError(f"trainer failed (exit {result.returncode}): {' '.join(cmd)}\n{tail}")
+        raise RuntimeError(f"trainer failed (exit {returncode}): {' '.join(cmd)}\n{tail}")
 
 
 def read_metrics(folder: Path) -> list[dict]:

@@ -1,8 +1,8 @@
 """torch.profiler traces every `profile_freq` steps, and CUDA memory snapshots (GPU only).
 
 Traces: <dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json (open in
-chrome://tracing or Perfetto), beside rank<r>_top_kernels.txt: the 15 kernels that took the most
-GPU time (on CPU, the ops that took the most CPU time), as a table. Memory snapshots: <dump_folder>/<save_memory_snapshot_folder>/
+chrome://tracing or Perfetto), beside rank<r>_top_kernels.txt: the 15 GPU kernels that took the most
+time (on CPU, the ops that took the most CPU time of their own), as a table. Memory snapshots: <dump_folder>/<save_memory_snapshot_folder>/
 iteration_<step>/rank<r>_memory_snapshot.pickle (drag into pytorch.org/memory_viz). Snapshots
 record the CUDA caching allocator, so on CPU they are skipped with a note.
 """
@@ -17,6 +17,22 @@ from titanlite.metrics import log_line
 
 
 TOP_KERNELS = 15
+
+
+def top_kernels(events, gpu: bool) -> str:
+    """The TOP_KERNELS costliest of a profile's averaged events as a table: on a GPU its kernels by
+    their GPU time (not the aten ops that launched them, which would count each kernel twice), on CPU
+    the ops by the CPU time of their own."""
+    if gpu:
+        rows = [(e.key, e.self_device_time_total, e.count) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        rows = [(e.key, e.self_cpu_time_total, e.count) for e in events]
+    rows.sort(key=lambda row: -row[1])
+    total = sum(us for _, us, _ in rows) or 1.0
+    what = "GPU kernel" if gpu else "op (self CPU time)"
+    lines = [f"| {what} | ms | calls | share |", "|---|---|---|---|"]
+    lines += [f"| {name[:100]} | {us / 1000:.3f} | {count} | {100 * us / total:.1f}% |" for name, us, count in rows[:TOP_KERNELS]]
+    return "\n".join(lines) + f"\n\ntotal: {total / 1000:.3f} ms over {len(rows)} {'kernels' if gpu else 'ops'}\n"
 
 
 class Profiler:
@@ -48,8 +64,7 @@ class Profiler:
         folder = self.traces / f"iteration_{self.step}"
         folder.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
-        by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        (folder / f"rank{self.rank}_top_kernels.txt").write_text(prof.key_averages().table(sort_by=by, row_limit=TOP_KERNELS))
+        (folder / f"rank{self.rank}_top_kernels.txt").write_text(top_kernels(prof.key_averages(), self.device.type == "cuda"))
 
     def after_step(self, step: int) -> None:
         self.step = step

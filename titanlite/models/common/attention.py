@@ -16,7 +16,6 @@ Context parallel swaps each `CoreAttention` for a ring over the cp ranks (parall
 
 from __future__ import annotations
 
-import importlib.util
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -84,19 +83,20 @@ def visible(q_document, q_position, kv_document, kv_position, window: int = 0):
     return seen & (q_position - kv_position < window) if window else seen
 
 
-# Causal attention's kernels: SDPA's backends (None: torch's own choice), or FlashAttention-3.
-SDPA_BACKENDS = {"sdpa": None, "cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION]}
+# Causal attention's kernels: SDPA's backends in order of preference (None: torch's own order). The
+# ones after the first take over where it cannot run the inputs (fp32, deterministic mode, a head size).
+FALLBACKS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_BACKENDS = {"sdpa": None, "cudnn": [SDPBackend.CUDNN_ATTENTION, *FALLBACKS], "flash": FALLBACKS}
 
 
-def choose_causal_kernel(capability: tuple[int, int] | None, fa3_installed: bool) -> tuple[str, str]:
+def choose_causal_kernel(capability: tuple[int, int] | None) -> tuple[str, str]:
     """(kernel, what the log says) of causal attention on a device (`capability`: CUDA's compute
-    capability; None: CPU). Hopper: FlashAttention-3 where flash_attn_interface is installed, else
-    SDPA's cuDNN attention; Blackwell: cuDNN's; Ampere and Ada: SDPA's FlashAttention-2."""
+    capability; None: CPU). Hopper and Blackwell: SDPA's cuDNN attention first; Ampere and Ada:
+    SDPA's FlashAttention-2 first. (FlashAttention-3 through flash_attn_interface is not wired in:
+    it awaits a GPU to check it on.)"""
     if capability is None:
         return "sdpa", "SDPA (on CPU its flash kernel)"
     sm = "sm_" + "".join(map(str, capability))
-    if capability[0] == 9 and fa3_installed:
-        return "fa3", f"FlashAttention-3 (flash_attn_interface) on {sm}"
     if capability >= (9, 0):
         return "cudnn", f"SDPA's cuDNN attention on {sm}"
     if capability >= (8, 0):
@@ -109,7 +109,7 @@ def attention_kernels(args: ModelArgs, device: torch.device, cp_enabled: bool) -
     attention's (model.attn_type, where it can run: FlexAttention trains on CUDA only, and under context
     parallel the masked ring runs). Returns the args to build with and the line the log shows."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    CoreAttention.causal_kernel, causal = choose_causal_kernel(capability, importlib.util.find_spec("flash_attn_interface") is not None)
+    CoreAttention.causal_kernel, causal = choose_causal_kernel(capability)
     line = f"attention kernels: causal {causal}"
     if not args.masked_attention:
         return args, line
@@ -145,8 +145,6 @@ class CoreAttention(nn.Module):
         if mask is not None and mask.block_mask is not None:
             flex_attention = compiled("flex_attention")
             return flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=k.shape[1] != q.shape[1])
-        if mask is None and self.causal_kernel == "fa3":
-            return flash_attention_3(q, k, v)
         repeats = q.shape[1] // k.shape[1]
         # CPU's flash kernel shares the kv heads itself (6% faster than copies). On CUDA only the flash
         # kernel does, which takes no mask nor fp32: elsewhere SDPA would fall back to its math path.
@@ -155,19 +153,10 @@ class CoreAttention(nn.Module):
             k, v = (t.repeat_interleave(repeats, dim=1) if repeats > 1 else t for t in (k, v))
         if mask is None:
             backends = SDPA_BACKENDS[self.causal_kernel]
-            with sdpa_kernel(backends) if backends else nullcontext():
+            with sdpa_kernel(backends, set_priority=True) if backends else nullcontext():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=shared_in_kernel)
         allowed = mask.allowed(mask.document_ids, mask.positions)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=shared_in_kernel)
-
-
-def flash_attention_3(q, k, v) -> torch.Tensor:
-    """Causal attention by FlashAttention-3 (Hopper; the flash_attn_interface package), which takes
-    (b, s, heads, d) and shares kv heads itself."""
-    from flash_attn_interface import flash_attn_func
-
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
 
 def attention_with_sinks(q, k, v, mask: DocumentMask | None, sinks: torch.Tensor) -> torch.Tensor:
