@@ -137,7 +137,7 @@ def test_benchmark_per_op_ac_row_runs_the_per_op_policy():
 
     from titanlite.config import parse_args
 
-    shape, _, runs = PRESETS["gpu"]
+    shape, _, runs = PRESETS["gpu_more"]
     run = next(r for r in runs if r.name == "bf16_compile_ac_op")
     config = parse_args(trainer_args(shape, run, "byte", "shakespeare", 4, REPO / "outputs" / "unused"))
     assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option) == ("selective", "op")
