@@ -10,6 +10,8 @@ weight, and the loss takes one all-gather of two numbers per token (`loss_and_lo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -58,15 +60,11 @@ def loss_of_piece(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w
     return loss, (grad @ weight).to(h.dtype), grad.t() @ h.to(weight.dtype)
 
 
-_COMPILED_PIECE = []
-
-
+@functools.cache
 def compiled_piece():
     """loss_of_piece compiled once per process (inductor fuses the log-softmax, the exp and the one-hot
     subtraction around the two matmuls; the eager piece was 11% slower on an H200)."""
-    if not _COMPILED_PIECE:
-        _COMPILED_PIECE.append(torch.compile(loss_of_piece, dynamic=False))
-    return _COMPILED_PIECE[0]
+    return torch.compile(loss_of_piece, dynamic=False)
 
 
 def vocab_slice(t: DTensor) -> tuple[int, dist.ProcessGroup]:

@@ -24,6 +24,11 @@ from titanlite.models.common.attention import DocumentMask, sink_attention
 TAIL_TOKENS_RECEIVED = [0]  # per sequence, summed over calls: the tests check no more than the window needs travels
 
 
+def slots(load_balance: bool) -> int:
+    """Chunks a rank holds: two under head-tail balancing, else one."""
+    return 2 if load_balance else 1
+
+
 def chunk_holder(chunk: int, ranks: int, load_balance: bool) -> tuple[int, int]:
     """(cp rank, local slot) holding a chunk of the sequence."""
     if not load_balance or chunk < ranks:
@@ -33,11 +38,10 @@ def chunk_holder(chunk: int, ranks: int, load_balance: bool) -> tuple[int, int]:
 
 def neighbours(rank: int, ranks: int, load_balance: bool) -> tuple[list, list]:
     """(sends, receives): (local slot, peer rank) pairs of the tails this rank sends on and receives."""
-    slots = 2 if load_balance else 1
-    chunks = [rank, 2 * ranks - 1 - rank][:slots]
+    chunks = [rank, 2 * ranks - 1 - rank][:slots(load_balance)]
     sends, receives = [], []
     for slot, chunk in enumerate(chunks):
-        if chunk + 1 < slots * ranks and (peer := chunk_holder(chunk + 1, ranks, load_balance)[0]) != rank:
+        if chunk + 1 < slots(load_balance) * ranks and (peer := chunk_holder(chunk + 1, ranks, load_balance)[0]) != rank:
             sends.append((slot, peer))
         if chunk > 0 and (peer := chunk_holder(chunk - 1, ranks, load_balance)[0]) != rank:
             receives.append((slot, peer))
@@ -46,8 +50,7 @@ def neighbours(rank: int, ranks: int, load_balance: bool) -> tuple[list, list]:
 
 def fits(seq_len: int, window: int, ranks: int, load_balance: bool) -> bool:
     """Whether each local chunk holds at least window - 1 tokens (then only the one before it is seen)."""
-    slots = 2 if load_balance else 1
-    return seq_len % slots == 0 and seq_len // slots >= window - 1
+    return seq_len % slots(load_balance) == 0 and seq_len // slots(load_balance) >= window - 1
 
 
 def _swap(pieces: list[torch.Tensor], sends: list, receives: list, group, empty) -> list[torch.Tensor]:
@@ -78,7 +81,7 @@ def window_tails(kv: Tensor, layout: Tensor, group_name: str, load_balance: bool
     this rank's chunks: their last `tail` tokens go to the next chunks' holders. Returns the tails
     received (along the sequence, in slot order)."""
     group, sends, receives = _links(group_name, load_balance)
-    chunk_len = kv.shape[3] // (2 if load_balance else 1)
+    chunk_len = kv.shape[3] // slots(load_balance)
     TAIL_TOKENS_RECEIVED[0] += len(receives) * tail
     received = []
     for t in (kv, layout):
@@ -100,7 +103,7 @@ def window_tails_backward(grad: Tensor, seq_len: int, group_name: str, load_bala
     """The received tails' key/value gradients go back to the ranks that sent them; returns this
     rank's keys' and values' gradients from the tails it sent (zero elsewhere)."""
     group, sends, receives = _links(group_name, load_balance)
-    chunk_len = seq_len // (2 if load_balance else 1)
+    chunk_len = seq_len // slots(load_balance)
     shape = (*grad.shape[:3], tail, grad.shape[4])
     back = _swap(list(grad.split(tail, dim=3)), receives, sends, group, lambda: grad.new_empty(shape))
     grad_kv = grad.new_zeros(*grad.shape[:3], seq_len, grad.shape[4])

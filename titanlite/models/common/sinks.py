@@ -39,7 +39,7 @@ class _CpuSinkAttention(torch.autograd.Function):
         causal = bias is None
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
         with_sink = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
-        out = (out.float() * torch.exp(lse - with_sink).unsqueeze(-1)).to(q.dtype)
+        out = rescaled_by_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, bias, sinks, out, with_sink)
         return out
 

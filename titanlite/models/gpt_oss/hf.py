@@ -32,7 +32,6 @@ LAYER_NAMES = llama3_hf.LAYER_NAMES | {
     "feed_forward.router.gate.bias": "mlp.router.bias",
 }
 HF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
-ROTARY_BIASES = {"attention.wq.bias": "n_heads", "attention.wk.bias": "n_kv_heads"}
 EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])(_bias)?$")
 HF_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 EXPERT_BIAS = re.compile(r"^layers\.\d+\.feed_forward\.expert_bias$")
@@ -56,11 +55,6 @@ def to_hf_tensors(name: str, w: torch.Tensor, args: GptOssArgs) -> list[tuple[st
         if projection == "w2":
             return [(f"{prefix}.down_proj_bias", w)] if bias else [(f"{prefix}.down_proj", w.transpose(1, 2))]
         return []  # w1 and w3 leave together, interleaved, with w3 (below)
-    layer = llama3_hf.LAYER.match(name)
-    rest = layer.group(2) if layer else None
-    if rest in ROTARY_BIASES:  # permuted as their weights' rows
-        w = llama3_hf.pairs_to_halves(w.unsqueeze(-1), getattr(args, ROTARY_BIASES[rest])).squeeze(-1)
-        return [(f"model.layers.{layer.group(1)}.{LAYER_NAMES[rest]}", w)]
     return llama3_hf.to_hf_tensors(name, w, args, LAYER_NAMES)
 
 
@@ -127,7 +121,6 @@ def iter_hf(folder: Path, read: Callable = hf_tensors):
     """(titanlite name, tensor) of each weight, one layer's expert tensor (or MXFP4 pair) at a time,
     and a zero expert bias per block (gpt-oss routes without one)."""
     config, heads, kv_heads = read_hf_config(folder)
-    shapes = {"n_heads": heads, "n_kv_heads": kv_heads}
     packed: dict[str, torch.Tensor] = {}
     for key, tensor in read(folder):
         if match := HF_EXPERTS.match(key):
@@ -142,11 +135,7 @@ def iter_hf(folder: Path, read: Callable = hf_tensors):
                 tensor = tensor.transpose(1, 2)  # transformers' (experts, in, out)
             yield from _experts(layer, projection, tensor, suffix == "_bias")
         elif converted := llama3_hf.from_hf_tensor(key, tensor, heads, kv_heads, HF_LAYER_NAMES):
-            name, w = converted
-            rest = name.split(".", 2)[-1]
-            if rest in ROTARY_BIASES:
-                w = llama3_hf.halves_to_pairs(w.unsqueeze(-1), shapes[ROTARY_BIASES[rest]]).squeeze(-1)
-            yield name, w
+            yield converted
     if packed:
         raise ConfigError(
             f"Hugging Face checkpoint '{folder}' has {next(iter(packed))} without its other half; use the complete "

@@ -47,10 +47,10 @@ def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def rotary_heads(name: str, n_heads: int, n_kv_heads: int) -> int | None:
-    """Heads of a tensor along RoPE's rotated dim (q and k rows, the q/k head norms), which the two
-    layouts order differently."""
-    return {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads,
-            "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}.get(name)
+    """Heads of a tensor along RoPE's rotated dim (q and k rows and their biases, the q/k head norms),
+    which the two layouts order differently."""
+    return {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads, "attention.wq.bias": n_heads,
+            "attention.wk.bias": n_kv_heads, "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}.get(name)
 
 
 def to_hf_tensors(name: str, w: torch.Tensor, args: ModelArgs, layer_names: dict = LAYER_NAMES) -> list[tuple[str, torch.Tensor]]:
