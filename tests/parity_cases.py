@@ -127,8 +127,10 @@ CASES_MOE_2 = {
     "moe_pp2_aux": MOE_SIGMOID_AUX + PP + schedule("1F1B"),
     "moe_pp2_zbv_aux": MOE_SIGMOID_AUX + PP + schedule("ZBVZeroBubble"),
     "moe_pp2_interleaved_aux": MOE_SIGMOID_AUX + PP + schedule("Interleaved1F1B"),
-    # Compiled attention and dense FFNs (MoE layers stay eager); float8 on the dense linears.
+    # Compiled attention and dense FFNs (under EP the MoE layers stay eager); float8 on the dense linears.
     "moe_ep2_compile": MOE + [EP, "2", "--compile.enable"],
+    # Whole MoE blocks compiled (inductor): grouped GEMMs, counts and the aux loss in the graph, under AC.
+    "moe_fsdp2_compile_ac_op_aux": MOE_SIGMOID_AUX + ["--compile.enable", "--activation_checkpoint.mode", "selective"],
     "moe_ep2_float8": MOE + F8 + [EP, "2"],
     # Float8 grouped GEMMs for the routed experts (rowwise, emulated on CPU).
     "moe_fsdp2_float8_grouped": MOE + F8_GROUPED,

@@ -158,13 +158,21 @@ def test_state_buffers_stay_float32_in_a_bfloat16_model():
     assert {b.dtype for b in (layer.expert_bias, layer.tokens_per_expert, layer.aux_loss_sum)} == {torch.float32}
 
 
-def test_tokens_are_counted_once_under_activation_checkpointing():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tokens_and_aux_loss_are_counted_once_under_activation_checkpointing(compiled):
+    """Backward recomputes a checkpointed forward and adds nothing, eagerly or in a graph compiled
+    whole (the check for backward sits in a custom op: models/common/forward_stats.py)."""
     from torch.utils.checkpoint import checkpoint
 
-    layer = tiny_moe()
     x = torch.randn(2, 6, 16, requires_grad=True)
-    checkpoint(layer, x, use_reentrant=False).sum().backward()  # backward recomputes the forward
-    assert layer.tokens_per_expert.sum() == 2 * 6 * layer.top_k
+    plain = tiny_moe(aux_loss_coeff=0.01)
+    plain(x).sum().backward()
+    layer = tiny_moe(aux_loss_coeff=0.01)
+    run = lambda t: checkpoint(layer, t, use_reentrant=False)  # noqa: E731
+    (torch.compile(run, backend="aot_eager", fullgraph=True) if compiled else run)(x).sum().backward()
+    assert plain.tokens_per_expert.sum() == 2 * 6 * layer.top_k and plain.aux_loss_sum > 0
+    assert torch.equal(layer.tokens_per_expert, plain.tokens_per_expert)
+    torch.testing.assert_close(layer.aux_loss_sum, plain.aux_loss_sum, rtol=1e-6, atol=0)
     layer.eval()
     layer(x)  # validation does not count
     assert layer.tokens_per_expert.sum() == 2 * 6 * layer.top_k

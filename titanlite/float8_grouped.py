@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.float8 import E4M3, dequantize, quantize, scale_from_amax, to_float8
-from titanlite.models.common.moe import GroupedExperts
+from titanlite.models.common.moe import GroupedExperts, any_dtype_grouped_mm
 
 GROUP_ALIGN = 16
 
@@ -110,7 +110,7 @@ def scaled_grouped_mm(a8, a_scale, b8, b_scale, ends, out_dtype: torch.dtype, em
     b (experts, K, N) with scales (experts, 1, N)."""
     if emulate:
         a, b = dequantize(a8, a_scale, torch.float32), dequantize(b8, b_scale, torch.float32)
-        return torch._grouped_mm(a, b, offs=ends).to(out_dtype)
+        return any_dtype_grouped_mm(a, b, ends).to(out_dtype)
     return torch._scaled_grouped_mm(
         a8.contiguous(), column_major(b8), a_scale.reciprocal().flatten(), b_scale.reciprocal().flatten(1), offs=ends,
         out_dtype=out_dtype,
@@ -124,7 +124,7 @@ def scaled_grouped_mm_over_rows(a8, a_scale, b8, b_scale, expert_of_block, ends,
         expert_of_row = expert_of_block.repeat_interleave(GROUP_ALIGN)
         a = dequantize(a8, a_scale[expert_of_row], torch.float32)
         b = dequantize(b8, b_scale[expert_of_row], torch.float32)
-        return torch._grouped_mm(a.t(), b, offs=ends).to(out_dtype)
+        return any_dtype_grouped_mm(a, b, ends).to(out_dtype)
     return torch._scaled_grouped_mm(
         a8.t().contiguous(), column_major(b8), a_scale.reciprocal().flatten(), b_scale.reciprocal().flatten(), offs=ends,
         out_dtype=out_dtype,

@@ -108,18 +108,18 @@ class Trainer:
             self.stage_ids, n_stages, self.model_parts = [0], 1, [whole]
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.converters = build_converters(config)
+        self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
+        if self.moe_layers and device.type != "meta":  # before parallelize: the kernel decides what compiles whole
+            log_line(configure_experts([layer.experts for layer in self.moe_layers], args.use_grouped_mm, device))
         for part in self.model_parts:
             parallelize(part, self.plan, self.dims, config, device.type, self.converters)
             if config.model.print_after_conversion and dist.get_rank() == 0:
                 print(part, flush=True)
-        self.moe_layers = [layer for part in self.model_parts for layer in self.plan.moe_layers(part)]
         self.replays = [replay for part in self.model_parts for replay in replays(part)]
         self.chunked_loss = t.loss_chunks > 1  # the model returns the summed loss of labels it is given
         compile_loss = config.compile.enable and "loss" in config.compile.components
         for output in (m for part in self.model_parts for m in part.modules() if isinstance(m, OutputProjection)):
             output.loss_chunks, output.compiled_loss = t.loss_chunks, compile_loss
-        if self.moe_layers and device.type != "meta":
-            log_line(configure_experts([layer.experts for layer in self.moe_layers], args.use_grouped_mm, device))
         self.is_moe, self.aux_loss_on = isinstance(args, MoEArgs), bool(getattr(args, "aux_loss_coeff", 0))
         # Multi-token prediction (DeepSeek-V3): its depths and the weight of their mean loss.
         self.mtp_depth, self.mtp_loss_weight = getattr(args, "mtp_depth", 0), getattr(args, "mtp_loss_weight", 0.0)

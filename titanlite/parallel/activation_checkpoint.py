@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titanlite.models.common.forward_stats import in_backward
+from titanlite.models.common.moe import any_dtype_grouped_mm
 from titanlite.parallel.document_ring import document_ring
 from titanlite.parallel.stage_inference import MetadataInference
 
@@ -31,6 +33,7 @@ SAVED_OPS = {
     aten.addmm.default,
     aten.bmm.default,
     aten._grouped_mm.default,
+    any_dtype_grouped_mm._opoverload,  # the grouped GEMM in fp32 (CPU)
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
@@ -56,8 +59,7 @@ class ForwardReplay:
 
     def begin(self) -> None:
         recorded = self.active and torch.is_grad_enabled() and not MetadataInference.running
-        in_backward = torch._C._current_graph_task_id() != -1
-        self.recording, self.replaying = recorded and not in_backward, None
+        self.recording, self.replaying = recorded and not in_backward(), None
         if self.recording:
             self.records.append([])
         elif recorded:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titanlite.models.common.args import ModelArgs
+from titanlite.models.common.forward_stats import in_backward
 from titanlite.models.common.linear import FusedLinear, plain_linears
 from titanlite.models.common.rope import apply_rope
 from titanlite.models.common.sinks import cpu_sink_attention, rescaled_by_sinks
@@ -137,7 +138,9 @@ class CoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`sinks`: one logit per (local) query head that joins each softmax (gpt-oss; models/common/sinks.py)."""
-        if self.max_logits is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        # Recompute (inside backward) would find the same logits: eagerly it skips them. A compiled
+        # graph cannot ask (dynamo cannot trace the question) and need not: it never recomputes them.
+        if self.max_logits is not None and torch.is_grad_enabled() and (torch.compiler.is_compiling() or not in_backward()):
             with torch.no_grad():
                 self.max_logits.copy_(torch.maximum(self.max_logits, largest_logits(q, k, mask)))
         if sinks is not None:

@@ -23,17 +23,12 @@ from torch import nn
 
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.args import MoEArgs
+from titanlite.models.common.forward_stats import add_outside_recompute
 
 
 def local_shard(weight: torch.Tensor) -> torch.Tensor:
     """Experts sharded over expert-parallel ranks are DTensors: each rank computes with its own."""
     return weight.to_local() if hasattr(weight, "to_local") else weight
-
-
-def outside_backward() -> bool:
-    """False while activation checkpointing recomputes a forward inside backward: counting there
-    would count each token twice."""
-    return torch._C._current_graph_task_id() == -1
 
 
 class Router(nn.Module):
@@ -139,12 +134,48 @@ def swiglu_experts(x, counts, w1, w2, w3, kernel: str = "grouped") -> torch.Tens
 
 def per_expert(x: torch.Tensor, groups: list[int] | torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x's rows (grouped by expert) times their expert's matrix, w (experts, in, out): one matmul per
-    expert (the exact reference), or one `torch._grouped_mm` call. bf16 and fp32 grouped GEMMs take
-    groups of any size: no padding (float8 ones would want each group's rows aligned to 16)."""
+    expert (the exact reference), or one grouped GEMM. bf16 and fp32 grouped GEMMs take groups of
+    any size: no padding (float8 ones would want each group's rows aligned to 16)."""
     if isinstance(groups, list):
         outputs = [rows @ w[e] for e, rows in enumerate(x.split(groups))]
         return torch.cat(outputs) if outputs else x.new_zeros(0, w.shape[-1])
-    return torch._grouped_mm(x, w, offs=groups)
+    return grouped_mm(x, w, groups)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(a, b, offs=ends)`, which torch.compile traces in any dtype: torch's own
+    shape function takes bf16 only, so other dtypes (fp32 on CPU) go through `any_dtype_grouped_mm`."""
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=ends)
+    return any_dtype_grouped_mm(a, b, ends)
+
+
+@torch.library.custom_op("titanlite::grouped_mm", mutates_args=())
+def any_dtype_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """a (rows, K) @ b[e] (K, N) per group of rows; or, with b (rows, N), a^T (K, rows) @ b per group of
+    a's columns and b's rows, giving (groups, K, N)."""
+    return torch._grouped_mm(a if b.dim() == 3 else a.t(), b, offs=ends)
+
+
+@any_dtype_grouped_mm.register_fake
+def _(a, b, ends):
+    return a.new_empty(a.shape[0], b.shape[-1]) if b.dim() == 3 else a.new_empty(ends.shape[0], a.shape[1], b.shape[1])
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, ends = ctx.saved_tensors
+    grad_a = any_dtype_grouped_mm(grad, b.transpose(-2, -1), ends) if ctx.needs_input_grad[0] else None
+    grad_b = any_dtype_grouped_mm(a, grad, ends) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+def _save_operands(ctx, inputs, output):
+    if inputs[1].dim() != 3:
+        raise NotImplementedError("titanlite::grouped_mm differentiates the (rows, K) @ (groups, K, N) form only")
+    ctx.save_for_backward(*inputs)
+
+
+any_dtype_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_operands)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -202,6 +233,15 @@ class MoE(nn.Module):
         for name in ("expert_bias", "tokens_per_expert", "aux_loss_sum"):
             setattr(self, name, torch.zeros_like(getattr(self, name), dtype=torch.float32))
 
+    def traces_whole(self) -> bool:
+        """Whether torch.compile can take the layer as one graph. Not where its routed experts are
+        split over ranks (expert parallel's split sizes are read to the host) or run as the loop (it
+        reads each expert's count), nor where its aux loss sums counts over ranks (an exchange that
+        activation checkpointing's recompute takes back from a record)."""
+        split = any(hasattr(p, "to_local") for p in self.experts.parameters())
+        summed = self.reduce_sequence_counts if self.aux_loss_type == "sequence" else self.reduce_batch_counts
+        return not split and self.experts.kernel != "loop" and not (self.aux_loss_coeff and summed is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
@@ -209,9 +249,8 @@ class MoE(nn.Module):
         # scatter_add, not bincount: bincount reads its input's max on the host (a sync on CUDA).
         choices = chosen.flatten()
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(0, choices, torch.ones_like(choices))
-        if self.training and outside_backward():
-            with torch.no_grad():
-                self.tokens_per_expert += counts
+        if self.training:
+            add_outside_recompute(self.tokens_per_expert, counts.to(self.tokens_per_expert.dtype))
         # Token copies sorted by expert (stable: a token's copies keep their order), through the experts, back.
         order = choices.argsort(stable=True)
         copies = flat[order // self.top_k]
@@ -232,8 +271,7 @@ class MoE(nn.Module):
                 aux = self.global_batch_aux_loss(scores, counts)
             else:
                 aux = self.sequence_aux_loss(scores, chosen, bsz, seqlen)
-            if outside_backward():
-                self.aux_loss_sum += aux.detach()
+            add_outside_recompute(self.aux_loss_sum, aux.detach())
             out = _AttachAuxLoss.apply(out, aux)
         return out.view(bsz, seqlen, dim)
 

@@ -9,10 +9,12 @@ the tp ranks' tokens too. The routed experts are whole on each rank (expert_tens
 = 1; expert parallel then borrows the tp ranks) or split over tp along their hidden dim
 (expert_tensor_parallel_degree = tp; parallel/expert.py).
 
-torch.compile takes a block's attention and a dense block's feed-forward; in a MoE block, the
-router and the shared experts. The rest of the MoE layer runs eagerly: the dispatch and combine
-around the routed experts hold expert parallel's exchanges, whose split sizes are read to the host
-(a full graph cannot hold that read), and the loop over experts reads each expert's count.
+torch.compile takes a MoE block whole, as a dense one, where its MoE layer traces as one graph:
+its routed experts on the rank, as one grouped GEMM. Otherwise it takes the block's attention, the
+router and the shared experts, and the rest of the MoE layer runs eagerly: expert parallel's
+dispatch and combine read their split sizes to the host (a full graph cannot hold that read), as
+the loop over experts reads each expert's count, and counts summed over ranks for the aux loss are
+kept for recompute outside any graph.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from titanlite.models.moe.model import MoETransformer
 
 
 def compile_units(block: nn.Module, tp_enabled: bool) -> list[nn.Module]:
+    """Llama's units, unless the block's MoE layer cannot be one graph (`MoE.traces_whole`) or runs
+    under TP: then its attention, router and shared experts."""
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     moe = inner.feed_forward if isinstance(inner.feed_forward, MoE) else None
-    if moe is None:
-        return [inner.attention, inner.feed_forward]
+    if moe is None or (moe.traces_whole() and not tp_enabled):
+        return llama3_plan.compile_units(block, tp_enabled)
     return [inner.attention, moe.router] + ([moe.shared_experts] if moe.shared_experts is not None else [])
 
 
