@@ -147,3 +147,23 @@ def test_a_moe_layer_that_sums_counts_over_ranks_is_not_compiled_whole():
         layer.aux_loss_type = "global_batch"
     forward_backward(model, block_causal=False)
     assert any("_current_graph_task_id" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
+
+
+def test_a_compiled_attention_inside_an_eager_checkpoint_adds_no_logits_in_recompute():
+    """Under TP (and in a MoE block kept in parts) attention is compiled alone inside an eager
+    checkpoint: backward reruns its graph, and the largest logits must not take the recompute's (in
+    a pipeline stage's shape inference, logits of activations nothing wrote)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from titanlite.models.common.attention import CoreAttention
+
+    torch._dynamo.reset()
+    core = CoreAttention()
+    core.max_logits = torch.full((4,), -torch.inf)
+    core.compile(backend="aot_eager", fullgraph=True)
+    q, k, v = (torch.randn(1, 4, 8, 16, requires_grad=True) for _ in range(3))
+    out = checkpoint(core, q, k, v, None, use_reentrant=False)
+    assert torch.isfinite(core.max_logits).all()
+    core.max_logits.fill_(-torch.inf)  # what recompute adds shows
+    out.sum().backward()
+    assert q.grad is not None and torch.isneginf(core.max_logits).all(), core.max_logits

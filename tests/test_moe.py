@@ -160,8 +160,9 @@ def test_state_buffers_stay_float32_in_a_bfloat16_model():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_tokens_and_aux_loss_are_counted_once_under_activation_checkpointing(compiled):
-    """Backward recomputes a checkpointed forward and adds nothing, eagerly or in a graph compiled
-    whole (the check for backward sits in a custom op: models/common/forward_stats.py)."""
+    """Backward recomputes a checkpointed forward and adds nothing: eagerly (the custom op's check,
+    models/common/forward_stats.py), and in a graph compiled with the checkpoint inside (AOTAutograd
+    keeps the op in the forward graph)."""
     from torch.utils.checkpoint import checkpoint
 
     x = torch.randn(2, 6, 16, requires_grad=True)

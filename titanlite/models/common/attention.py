@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titanlite.models.common.args import ModelArgs
-from titanlite.models.common.forward_stats import in_backward
+from titanlite.models.common.forward_stats import in_backward, max_outside_recompute
 from titanlite.models.common.linear import FusedLinear, plain_linears
 from titanlite.models.common.rope import apply_rope
 from titanlite.models.common.sinks import cpu_sink_attention, rescaled_by_sinks
@@ -138,11 +138,11 @@ class CoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`sinks`: one logit per (local) query head that joins each softmax (gpt-oss; models/common/sinks.py)."""
-        # Recompute (inside backward) would find the same logits: eagerly it skips them. A compiled
-        # graph cannot ask (dynamo cannot trace the question) and need not: it never recomputes them.
+        # Eager recompute (inside backward) skips the logits; a compiled graph cannot ask (dynamo cannot
+        # trace the question): there the op asks when it runs.
         if self.max_logits is not None and torch.is_grad_enabled() and (torch.compiler.is_compiling() or not in_backward()):
             with torch.no_grad():
-                self.max_logits.copy_(torch.maximum(self.max_logits, largest_logits(q, k, mask)))
+                max_outside_recompute(self.max_logits, largest_logits(q, k, mask))
         if sinks is not None:
             return attention_with_sinks(q, k, v, mask, sinks)
         if mask is not None and mask.block_mask is not None:
