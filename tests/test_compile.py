@@ -167,3 +167,23 @@ def test_a_compiled_attention_inside_an_eager_checkpoint_adds_no_logits_in_recom
     core.max_logits.fill_(-torch.inf)  # what recompute adds shows
     out.sum().backward()
     assert q.grad is not None and torch.isneginf(core.max_logits).all(), core.max_logits
+
+
+@pytest.mark.parametrize("kernel, line", [
+    ("grouped", "compiled units: 4 TransformerBlock"),
+    ("loop", "compiled units: 1 TransformerBlock, 3 Attention, 3 Router, 3 FeedForward"),
+])
+def test_the_log_says_what_compiles(kernel, line):
+    """parallelize's compile step (nothing traced yet: compiling is lazy) on the debug MoE model under
+    full AC, and the trainer's log line: its dense block and MoE blocks whole, or the MoE blocks in
+    pieces (attention, router, shared experts) when the experts run the loop."""
+    from titanlite.config import parse_args
+    from titanlite.parallel.activation_checkpoint import apply_ac
+    from titanlite.parallel.compile import apply_compile, compiled_units_line
+
+    model, plan = small_model("moe", "debugmoe", False), FAMILIES["moe"].plan
+    for experts in plan.experts(model):
+        experts.kernel = kernel
+    apply_ac(model, plan, parse_args(["--activation_checkpoint.mode", "full"]).activation_checkpoint)
+    apply_compile(model, plan, tp_enabled=False, collectives_in_graph=False, backend="aot_eager")
+    assert compiled_units_line([model]) == line

@@ -41,6 +41,7 @@ from titanlite.optim.qk_clip import qk_clip
 from titanlite.optim.schedule import build_lr_scheduler
 from titanlite.parallel.activation_checkpoint import check_replays_done, replays
 from titanlite.parallel.context import register_cpu_ring_attention, sequence_parallel_step
+from titanlite.parallel.compile import compiled_units_line
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import assign_full_value, loss_parallel_enabled, parallelize
 from titanlite.parallel.pipeline import build_schedule, forward_only, pipeline_stages
@@ -115,6 +116,8 @@ class Trainer:
             parallelize(part, self.plan, self.dims, config, device.type, self.converters)
             if config.model.print_after_conversion and dist.get_rank() == 0:
                 print(part, flush=True)
+        if config.compile.enable and "model" in config.compile.components:
+            log_line(compiled_units_line(self.model_parts))
         self.replays = [replay for part in self.model_parts for replay in replays(part)]
         self.chunked_loss = t.loss_chunks > 1  # the model returns the summed loss of labels it is given
         compile_loss = config.compile.enable and "loss" in config.compile.components

@@ -18,6 +18,8 @@ graph names process groups of the process that wrote it.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch._functorch.config
 from torch import nn
 
@@ -31,3 +33,10 @@ def apply_compile(model: nn.Module, plan, tp_enabled: bool, collectives_in_graph
     for block in blocks:
         for unit in plan.compile_units(block, tp_enabled):
             unit.compile(backend=backend, fullgraph=True)
+
+
+def compiled_units_line(parts: list[nn.Module]) -> str:
+    """The log's line of what torch.compile wraps, by class (a block whole, or its pieces)."""
+    units = Counter(type(getattr(m, "_checkpoint_wrapped_module", m)).__name__
+                    for part in parts for m in part.modules() if getattr(m, "_compiled_call_impl", None) is not None)
+    return "compiled units: " + ", ".join(f"{n} {name}" for name, n in units.items())
