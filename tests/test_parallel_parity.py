@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from distributed import run_distributed
+from distributed import release_groups, run_distributed
 from helpers import mtp_reference_loss, tiny_args
 from parity_cases import CASES_8, EXTENDED, FOUR_RANKS, TWO_RANKS
 
@@ -306,6 +306,8 @@ def run_cases(dataset: str, dump_folder: str, cases: dict[str, list[str]]) -> di
             results[name] = parity_case(dataset, f"{dump_folder}/{name}", overrides, free_running=name.startswith("free_"))
         except Exception as e:
             raise RuntimeError(f"parity case '{name}' failed") from e
+        finally:
+            release_groups()
     return results
 
 
