@@ -87,10 +87,14 @@ def release_groups() -> None:
 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     for group in list(_world.pg_map):
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
+    # DTensor's sharding caches hold the meshes they first saw, and a mesh equals any other of its
+    # shape and names: the next case's mesh would be answered with this one's destroyed groups.
+    _clear_sharding_prop_cache()
     gc.collect()  # the last references sit in the case's reference cycles (modules, meshes, hooks)
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 TP = "--parallelism.tensor_parallel_degree"
 F8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate"]
+# torch.compile on aot_eager: dynamo's trace, AOTAutograd's joint graph and partition (AC's recompute
+# included) and the custom ops' shape functions, as inductor gets them, without inductor's C++ build,
+# which costs 30-110 s a case on a cold cache on 2 cores. Inductor's own numerics: the *_compile cases
+# without it (dense blocks, whole MoE blocks, TP, EP, document masks).
+AOT_EAGER = ["--compile.enable", "--compile.backend", "aot_eager"]
 F8_GROUPED = ["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"]
 PP = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
 
@@ -204,7 +209,7 @@ CASES_DOC_4 = {
     "doc_cp4_alltoall_headtail": BC + [CP, "4", "--parallelism.context_parallel_rotate_method", "alltoall"],
     "doc_cp2_tp2_ac_full": BC + [CP, "2", TP, "2", "--model.flavor", "debugmodel_gqa", "--activation_checkpoint.mode", "full"],
     "doc_cp2_pp2_ac_selective_op": BC_RESET + [CP, "2"] + PP + ["--activation_checkpoint.mode", "selective"],
-    "doc_cp2_fsdp2_compile": BC + [CP, "2", "--compile.enable"],
+    "doc_cp2_fsdp2_compile": BC + [CP, "2", *AOT_EAGER],
     "doc_moe_cp2_ep2_aux": BC + MOE_SIGMOID_AUX + [CP, "2", EP, "2"],
 }
 
@@ -224,7 +229,7 @@ CASES_DSV3_2 = {
     "dsv3_tp2_ac_full": DSV3 + [TP, "2", "--activation_checkpoint.mode", "full"],
     # Compiled attention and dense FFNs (MTP's block too); float8 on the dense linears (not the router, not
     # MLA's narrow down projections).
-    "dsv3_ep2_compile": DSV3 + [EP, "2", "--compile.enable"],
+    "dsv3_ep2_compile": DSV3 + [EP, "2", *AOT_EAGER],
     "dsv3_fsdp2_float8": DSV3 + F8,
     # Without multi-token prediction.
     "dsv3_tp2_no_mtp": DSV3 + [TP, "2", "--model.flavor_overrides", "mtp_depth=0"],
@@ -284,7 +289,7 @@ CASES_L4_2 = {
     "l4_doc_cp2": chunks(12) + BC_RESET + [CP, "2"],
     "l4_pp2_1f1b": chunks(12) + PP + schedule("1F1B"),
     "l4_pp2_interleaved1f1b": chunks(12) + PP + schedule("Interleaved1F1B"),
-    "l4_ep2_ac_compile": chunks(12) + [EP, "2", "--activation_checkpoint.mode", "selective", "--compile.enable"],
+    "l4_ep2_ac_compile": chunks(12) + [EP, "2", "--activation_checkpoint.mode", "selective", *AOT_EAGER],
     "l4_fsdp2_float8": chunks(12) + F8,
     "l4_pp2_gpipe": chunks(12) + PP + schedule("GPipe"),
     "l4_pp2_zbvzerobubble": chunks(12) + PP + schedule("ZBVZeroBubble"),
@@ -325,7 +330,7 @@ CASES_GPT_OSS_2 = {
     "gpt_oss_pp2_1f1b": GPT_OSS + PP + schedule("1F1B"),
     # Windows within documents: block-causal masks with positions restarting at each document.
     "gpt_oss_doc_fsdp2_compile_ac_chunked_loss": GPT_OSS + BC_RESET + [
-        "--compile.enable", "--activation_checkpoint.mode", "selective", "--training.loss_chunks", "4"],
+        *AOT_EAGER, "--activation_checkpoint.mode", "selective", "--training.loss_chunks", "4"],
     "gpt_oss_doc_cp2_alltoall": GPT_OSS + BC_RESET + [CP, "2", *ALLTOALL],
     # float8 on the biased q/k/v/o (their biases added in high precision), the router left out. The
     # float8 reference runs each rank's microbatch alone (activation scales), which the global-batch

@@ -48,6 +48,27 @@ def test_each_matrix_takes_torch_muons_update_bit_for_bit(shape, adjust_lr_fn, n
     assert torch.equal(mine.state[ours]["momentum_buffer"], torch_muon.state[theirs]["momentum_buffer"])
 
 
+def test_auto_runs_newton_schulz_in_fp32_on_cpu_and_as_torch_on_a_gpu():
+    """ns_dtype auto (the default): fp32 on CPU (bf16 there, without bf16 instructions, is ~30x slower),
+    bf16 on a GPU as torch.optim.Muon; an update in fp32 is not the bf16 one."""
+    from titanlite.config import parse_args
+    from titanlite.optim.muon import newton_schulz_dtype
+
+    assert parse_args([]).optimizer.ns_dtype == "auto"
+    assert newton_schulz_dtype("auto", torch.device("cpu")) is torch.float32
+    assert newton_schulz_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16
+    assert newton_schulz_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    start, grad = torch.randn(32, 48, generator=gen), torch.randn(32, 48, generator=gen)
+    steps = {}
+    for ns_dtype in ("auto", "float32", "bfloat16"):
+        weight = torch.nn.Parameter(start.clone())
+        weight.grad = grad.clone()
+        muon([weight], ns_dtype=ns_dtype).step()
+        steps[ns_dtype] = weight.detach()
+    assert torch.equal(steps["auto"], steps["float32"]) and not torch.equal(steps["auto"], steps["bfloat16"])
+
+
 def test_a_grouped_expert_weight_is_one_matrix_per_expert():
     """(experts, rows, cols): each expert's update is torch.optim.Muon's on that expert alone."""
     gen = torch.Generator().manual_seed(1)
@@ -127,8 +148,8 @@ def test_muon_resumes_bit_for_bit_and_a_changed_optimizer_is_one_line(corpus_jso
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert len(straight) == len(resumed) == 4 and straight == resumed and all(x == x for x in straight)
     # Resharded: step 2's checkpoint of one process (Muon's momentum, AdamW's moments) loaded by FSDP 2;
-    # step 4's loss reads the momentum (without it, 0.14 off; with it, 8e-6: bf16 Newton-Schulz rounds
-    # FSDP's gradients, a few ulps off one process's, its own way).
+    # step 4's loss reads the momentum (without it, 0.14 off; with it, round-off: FSDP's gradients are a
+    # few ulps off one process's, and Newton-Schulz carries that on).
     load = ["--checkpoint.initial_load_path", str(tmp_path / "straight" / "checkpoint" / "step-2"),
             "--checkpoint.initial_load_model_only", "false", "--training.local_batch_size", "1"]
     out = train(tmp_path / "fsdp2", 4, *muon_args, *load, nproc=2)

@@ -144,8 +144,8 @@ class Optimizer:
     nesterov: bool = opt(True, "Muon's Nesterov momentum", extension=True)
     ns_steps: int = opt(5, "Muon's Newton-Schulz steps", extension=True)
     ns_dtype: str = opt(
-        "bfloat16", "dtype Muon's Newton-Schulz runs in (bfloat16, as torch.optim.Muon's)", choices=("bfloat16", "float32"),
-        extension=True,
+        "auto", "dtype Muon's Newton-Schulz runs in: auto (bfloat16 on GPU, as torch.optim.Muon's; float32 on CPU), bfloat16, float32",
+        choices=("auto", "bfloat16", "float32"), extension=True,
     )
     adjust_lr_fn: str = opt(
         "original", "Muon's lr per matrix shape: original sqrt(max(1, rows/cols)), or match_rms_adamw 0.2 sqrt(max(rows, cols))",

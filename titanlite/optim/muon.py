@@ -4,7 +4,7 @@ Each matrix's update is what torch.optim.Muon's code computes (torch/optim/_muon
 running average (`lerp`), Nesterov, the quintic Newton-Schulz iteration on the whole matrix (the
 wide way round, normalized by its Frobenius norm), decoupled weight decay with the unadjusted lr,
 the lr adjusted to the matrix's shape ("original": sqrt(max(1, rows / cols)); "match_rms_adamw":
-0.2 sqrt(max(rows, cols))). Newton-Schulz runs in bf16 as torch's does, or in `ns_dtype`. A grouped
+0.2 sqrt(max(rows, cols))). Newton-Schulz runs in `ns_dtype`: by default bf16 as torch's does, fp32 on CPU. A grouped
 expert weight (experts, rows, cols) is one matrix per expert; a weight holding several projections
 (the family's matrix_components: MLA's) is one matrix per projection. On any layout a sharded parameter's
 update is gathered whole, orthogonalized, and this rank gets its own piece back (owners.py), so
@@ -22,6 +22,14 @@ from titanlite.optim.owners import orthogonal_pieces
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic
 EPS = 1e-7
+
+
+def newton_schulz_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`ns_dtype` "auto": bf16 on an accelerator (torch.optim.Muon's), fp32 on CPU, where a CPU without
+    bf16 instructions (AVX2) runs Newton-Schulz in bf16 about 30x slower than in fp32."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
 
 
 def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -88,7 +96,7 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - group["momentum"])
             updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
 
-        ns_dtype = getattr(torch, group["ns_dtype"])  # bfloat16 or float32
+        ns_dtype = newton_schulz_dtype(group["ns_dtype"], params[0].device)
 
         def ns(matrix: torch.Tensor) -> torch.Tensor:
             return orthogonalize(matrix, group["ns_steps"], ns_dtype)
