@@ -33,6 +33,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, results) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    share_mesh_groups()
     try:
         results.put((rank, True, fn(*args)))
         dist.barrier()
@@ -80,22 +81,41 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     return [outcomes[r][1] for r in range(world_size)]
 
 
+def share_mesh_groups() -> None:
+    """Device meshes of this process reuse one process group per set of ranks. The calls of a launch
+    each build their meshes, as jobs would, and new groups each time cost ~20 gloo threads apiece.
+    DTensor also caches sharding decisions by mesh, and a mesh equals any other of its shape and
+    names: with the groups kept, an earlier call's mesh still works for the next call, so the cache
+    stays valid (destroying the groups meant clearing it: the four-rank parity launch took 603 s
+    that way and 380 s this way on an AVX2 2-core machine)."""
+    import torch.distributed.device_mesh as device_mesh
+
+    create, made = device_mesh.new_group, {}
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, **kwargs):
+        key = (tuple(ranks or ()), timeout, backend, id(pg_options) if pg_options else None)
+        if key not in made:
+            made[key] = create(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options, **kwargs)
+        return made[key]
+
+    device_mesh.new_group = new_group
+    share_mesh_groups.shared = made
+
+
 def release_groups() -> None:
-    """Destroy every process group but the world's, as a job's exit would: each holds gloo threads
-    and sockets, and a launch of 90 parity cases that kept them ran its later cases about 2x slower."""
+    """Destroy the process groups a call made outside device meshes (a checkpoint's, say), as a job's
+    exit would: each holds gloo threads and sockets, and a launch of 90 parity cases that kept them
+    ran its later cases about 2x slower."""
     import gc
 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+    shared = set(map(id, getattr(share_mesh_groups, "shared", {}).values()))
     for group in list(_world.pg_map):
-        if group is not dist.group.WORLD:
+        if group is not dist.group.WORLD and id(group) not in shared:
             dist.destroy_process_group(group)
-    # DTensor's sharding caches hold the meshes they first saw, and a mesh equals any other of its
-    # shape and names: the next case's mesh would be answered with this one's destroyed groups.
-    _clear_sharding_prop_cache()
-    gc.collect()  # the last references sit in the case's reference cycles (modules, meshes, hooks)
+    gc.collect()  # the last references sit in the call's reference cycles (modules, meshes, hooks)
 
 
 def _calls(calls: list[tuple]) -> list:

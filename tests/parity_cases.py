@@ -265,7 +265,7 @@ EXTENDED = {
     "tp2_no_sp", "free_tp2", "tp2_no_sp_separate_projections", "fsdp2_tp2_separate_projections", "tp2_compile_fused_projections",
     "fsdp2_separate_projections_ac_selective_op", "pp2_1f1b_explicit_stages", "pp2_dualpipev", "moe_ep2_sigmoid_aux", "moe_tp2_etp2_loop",
     "moe_ep2_ac_selective_op", "doc_pp2_zbvzerobubble", "doc_cp2_alltoall_headtail", "doc_fsdp2_compile", "fsdp2_ac_selective_op", "moe_pp2_aux",
-    "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "pp2_cp2_tp2_ac_op", "cp2_pp2",
+    "cp4_alltoall_headtail", "moe_ep4_aux", "pp2_tp2_1f1b", "doc_cp4_alltoall_headtail", "cp2_pp2",
     "tp2_sp_lp", "free_cp2", "doc_fsdp2", "dsv3_pp2_zbvzerobubble", "dsv3_pp2_dualpipev", "dsv3_tp2_separate_projections",
     "l4_pp2_gpipe", "l4_pp2_dualpipev", "l4_pp2_loopedbfs", "l4_pp2_interleavedzerobubble",
     "gpt_oss_doc_cp2_alltoall",
