@@ -100,7 +100,7 @@ CASES_4 = {
     "pp4_1f1b": ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "4"],
     "pp2_fsdp2_interleaved1f1b": PP + schedule("Interleaved1F1B"),
     "pp2_tp2_1f1b": PP + [TP, "2"],
-    "fsdp2_tp2_compile_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--compile.enable", "--model.fused_projections"],
+    "fsdp2_tp2_compile_fused_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", *AOT_EAGER, "--model.fused_projections"],
     "fsdp2_tp2_separate_projections": [TP, "2", "--model.flavor", "debugmodel_gqa", "--model.fused_projections", "false"],
     "fsdp2_tp2_float8_all_gather": F8 + [TP, "2", "--model.flavor", "debugmodel_gqa", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
                                          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
