@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run): the default (`python -m pytest -q`) plus the tests
-# marked `full` (the extended parity matrix and the slowest end-to-end cases); about 40 minutes on 2 cores (docs/testing.md).
+# marked `full` (the extended parity matrix and the slowest end-to-end cases); 40-80 minutes on 2
+# cores, by the machine (docs/testing.md).
 #   bash scripts/test_full.sh [pytest args]        PYTHON=... to pick the interpreter (default .venv/bin/python)
-set -euo pipefail
+# Two test files at a time (pytest-xdist; a file's shared launches stay in one worker): one at a time,
+# the tests left ~40% of 2 cores idle. Then the `serial` ones, which race processes, alone.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-.venv/bin/python}" -m pytest -q -m "full or not full" "$@"
+PYTHON=${PYTHON:-.venv/bin/python}
+status=0
+"$PYTHON" -m pytest -q -m "(full or not full) and not serial" -n 2 --dist loadfile "$@" || status=$?
+"$PYTHON" -m pytest -q -m "serial" "$@" || { code=$?; [ "$code" -eq 5 ] || status=$code; }  # 5: -k left none
+exit "$status"

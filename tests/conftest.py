@@ -13,6 +13,21 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("RAYON_NUM_THREADS", "2")
 
+# Files whose tests race one process against another (a killed group restarts while the survivor
+# trains on, a straggler, a hang's timeout, a host's death): scripts/test_full.sh runs them alone on
+# the machine, after the others, which it runs two at a time.
+RACES = {"test_fault_tolerance.py", "test_fault_tolerance_semi_sync.py", "test_fault_tolerance_netns.py",
+         "test_multinode_netns.py", "test_health.py", "test_runtime.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in RACES:
+            item.add_marker(pytest.mark.serial)
+    # The parity launches first: two at a time, the longest file then starts at once, not last and alone.
+    items.sort(key=lambda item: item.path.name != "test_parallel_parity.py")
+
 @pytest.fixture(scope="session")
 def corpus_jsonl(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"

@@ -208,7 +208,10 @@ def metrics_rows(folder: Path) -> list[dict]:
 @pytest.mark.slow
 def test_the_cpu_recipes_train(tmp_path):
     """Each CPU recipe for two steps, in order, each checked for what it promises; the paths under
-    outputs/ and hf_out move to tmp_path. The seed checkpoint's run writes where the next line reads."""
+    outputs/ and hf_out move to tmp_path. The seed checkpoint's run writes where the next line reads.
+    Batches of 2 and one validation batch: the configs' 8 x 256 tokens cost seconds a step on 2 cores
+    and nothing a recipe promises depends on them."""
+    small = ["--training.local_batch_size", "2", "--validation.steps", "1"]
     ran = 0
     for i, command in enumerate(recipes()):
         env, words = split_command(command)
@@ -224,7 +227,7 @@ def test_the_cpu_recipes_train(tmp_path):
         elif words[0] == "./run_train.sh":
             seeding = "--checkpoint.create_seed_checkpoint" in words
             folder = tmp_path / ("debug_model" if seeding else f"recipe_{i}")
-            result = run([*words, "--training.steps", "2", "--job.dump_folder", str(folder)], env)
+            result = run([*words, *small, "--training.steps", "2", "--job.dump_folder", str(folder)], env)
             assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])
             if seeding:
                 assert (folder / "checkpoint" / "step-0").is_dir(), command
@@ -232,7 +235,7 @@ def test_the_cpu_recipes_train(tmp_path):
             rows = metrics_rows(folder)
             assert [r["step"] for r in rows if "loss" in r][-1] == 2 and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
             if "--checkpoint.interval" in words:  # "run it again: it resumes from the latest"
-                again = run([*words, "--training.steps", "3", "--job.dump_folder", str(folder)], env)
+                again = run([*words, *small, "--training.steps", "3", "--job.dump_folder", str(folder)], env)
                 assert again.returncode == 0 and "at step 2" in again.stdout, (again.stdout[-2000:], again.stderr[-2000:])
             if "--checkpoint.initial_load_in_hf" in words:
                 assert "loaded Hugging Face weights" in result.stdout, result.stdout[-2000:]
