@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run): the default (`python -m pytest -q`) plus the tests
-# marked `full` (the extended parity matrix and the slowest end-to-end cases); 40-80 minutes on 2
-# cores, by the machine (docs/testing.md).
+# marked `full` (the extended parity matrix and the slowest end-to-end cases); 35-45 minutes on 2
+# cores with AVX-512, over an hour without (docs/testing.md).
 #   bash scripts/test_full.sh [pytest args]        PYTHON=... to pick the interpreter (default .venv/bin/python)
 # Two test files at a time (pytest-xdist; a file's shared launches stay in one worker), in collection
 # order, which puts the parity file first (tests/conftest.py): one at a time, the tests left ~40% of 2

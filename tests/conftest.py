@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(items):
     # The parity launches first: two at a time, the longest file then starts at once, not last and alone.
     items.sort(key=lambda item: item.path.name != "test_parallel_parity.py")
 
+
 @pytest.fixture(scope="session")
 def corpus_jsonl(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"

@@ -81,6 +81,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     return [outcomes[r][1] for r in range(world_size)]
 
 
+# Every group device meshes made in this process, by (ranks, timeout, backend, options): share_mesh_groups.
+_mesh_groups: dict[tuple, object] = {}
+
+
 def share_mesh_groups() -> None:
     """Device meshes of this process reuse one process group per set of ranks. The calls of a launch
     each build their meshes, as jobs would, and new groups each time cost ~20 gloo threads apiece.
@@ -90,16 +94,15 @@ def share_mesh_groups() -> None:
     that way and 380 s this way on an AVX2 2-core machine)."""
     import torch.distributed.device_mesh as device_mesh
 
-    create, made = device_mesh.new_group, {}
+    create = device_mesh.new_group
 
     def new_group(ranks=None, timeout=None, backend=None, pg_options=None, **kwargs):
         key = (tuple(ranks or ()), timeout, backend, id(pg_options) if pg_options else None)
-        if key not in made:
-            made[key] = create(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options, **kwargs)
-        return made[key]
+        if key not in _mesh_groups:
+            _mesh_groups[key] = create(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options, **kwargs)
+        return _mesh_groups[key]
 
     device_mesh.new_group = new_group
-    share_mesh_groups.shared = made
 
 
 def release_groups() -> None:
@@ -111,9 +114,9 @@ def release_groups() -> None:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
-    shared = set(map(id, getattr(share_mesh_groups, "shared", {}).values()))
+    kept = {id(group) for group in _mesh_groups.values()}
     for group in list(_world.pg_map):
-        if group is not dist.group.WORLD and id(group) not in shared:
+        if group is not dist.group.WORLD and id(group) not in kept:
             dist.destroy_process_group(group)
     gc.collect()  # the last references sit in the call's reference cycles (modules, meshes, hooks)
 

@@ -46,9 +46,10 @@ KEYS = ("init", "loss", "mtp_loss", "grad", "grad_l2", "grad_norm", "param", "ex
 # Free-running bounds (lr 8e-4; measured over 4 steps, and the cases now run 3, which drift less). Over
 # 4 steps, two 1-process runs that differ only in the order of summation (the batch as one or as two
 # accumulated microbatches) drift by 1e-6 in loss, 8e-7 in a gradient (relative L2), 8e-8 in the grad
-# norm (relative) and 2e-6 in a weight; the free-running layouts here measured at most 1e-6, 5e-6, 2e-6 and 9e-6. The bounds leave 10x that; a wrong
-# reduction (a dropped or doubled sum) is off by 1e-3 in loss and O(1) in gradients. The MTP loss
-# takes the loss's bound (no free-running case has multi-token prediction yet: it stays 0 there).
+# norm (relative) and 2e-6 in a weight; the free-running layouts here measured at most 1e-6, 5e-6,
+# 2e-6 and 9e-6. The bounds leave 10x that; a wrong reduction (a dropped or doubled sum) is off by
+# 1e-3 in loss and O(1) in gradients. The MTP loss takes the loss's bound (no free-running case has
+# multi-token prediction yet: it stays 0 there).
 FREE_RUNNING = {"loss": 1e-5, "mtp_loss": 1e-5, "grad_l2": 1e-4, "grad_norm": 1e-4, "param": 1e-4}
 
 
