@@ -64,3 +64,18 @@ def corpus_formats(tmp_path_factory) -> dict[str, Path]:
         "txt": root / "txt",
         "shards": root / "shards",
     }
+
+
+@pytest.fixture(scope="session")
+def token_folders(tmp_path_factory) -> dict[str, Path]:
+    """Three prepared folders (web, code, math) of different sizes, and their text."""
+    from titanlite.data.prepare import prepare as prepare_folder
+    from token_helpers import config, documents_file
+
+    root = tmp_path_factory.mktemp("token_sources")
+    out = {}
+    for name, n, seed in (("web", 120, 1), ("code", 40, 2), ("math", 15, 3)):
+        text = documents_file(root / f"{name}.jsonl", n, seed)
+        prepare_folder(config("--training.dataset", str(text)), root / name, "train", 1, 1 << 28)
+        out[name], out[f"{name}_text"] = root / name, text
+    return out
