@@ -78,7 +78,7 @@ def token_folders(tmp_path_factory) -> dict[str, Path]:
     from titanlite.data.prepare import prepare as prepare_folder
     from token_helpers import config, documents_file
 
-    root = tmp_path_factory.mktemp("token_sources")
+    root = tmp_path_factory.mktemp("token_folders")
     out = {}
     for name, n, seed in (("web", 120, 1), ("code", 40, 2), ("math", 15, 3)):
         text = documents_file(root / f"{name}.jsonl", n, seed)
