@@ -4,7 +4,7 @@
 # cores with AVX-512, about 80 without (docs/testing.md).
 #   bash scripts/test_full.sh [pytest args]        PYTHON=... to pick the interpreter (default .venv/bin/python)
 # Two test files at a time (pytest-xdist; a file's shared launches stay in one worker), in collection
-# order, which puts the longest files first (tests/conftest.py): one at a time, the tests left ~40% of 2
+# order, which puts the parity file first (tests/conftest.py): one at a time, the tests left ~40% of 2
 # cores idle. Then the `serial` ones, which race processes, alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
