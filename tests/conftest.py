@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import synthetic_documents
+from helpers import documents_file, synthetic_documents
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -26,16 +26,14 @@ def pytest_collection_modifyitems(items):
         if item.path.name in RACES:
             item.add_marker(pytest.mark.serial)
     # The parity launches first: two at a time, the longest file then starts at once, not last and alone.
-    # Only parity: with every long file first (63e316e), the long files ran side by side and the
-    # parity launches took 4-45% longer (two ranks 1292 s against 1083 in collection order).
+    # Not every long file first: then they ran side by side (63e316e), and the parity launches took
+    # 4-45% longer (two ranks 1292 s against 1083 in collection order).
     items.sort(key=lambda item: item.path.name != "test_parallel_parity.py")
 
 
 @pytest.fixture(scope="session")
 def corpus_jsonl(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in synthetic_documents()))
-    return path
+    return documents_file(tmp_path_factory.mktemp("corpus") / "docs.jsonl")
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +70,7 @@ def corpus_formats(tmp_path_factory) -> dict[str, Path]:
 def token_folders(tmp_path_factory) -> dict[str, Path]:
     """Three prepared folders (web, code, math) of different sizes, and their text."""
     from titanlite.data.prepare import prepare as prepare_folder
-    from token_helpers import config, documents_file
+    from token_helpers import config
 
     root = tmp_path_factory.mktemp("token_folders")
     out = {}

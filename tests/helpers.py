@@ -22,6 +22,14 @@ def synthetic_documents(n: int = 200, seed: int = 0) -> list[str]:
     return docs
 
 
+def documents_file(path: Path, n: int = 200, seed: int = 0) -> Path:
+    """synthetic_documents(n, seed) as a JSON-lines file at `path`, one {"text": ...} per line."""
+    import json
+
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in synthetic_documents(n, seed)))
+    return path
+
+
 def tiny_args(dataset: Path, dump_folder: Path, *extra: str) -> list[str]:
     """CLI args of a tiny, fast run: byte tokenizer, short sequences, no TensorBoard, fixed MFU peak."""
     return [

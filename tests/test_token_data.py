@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, synthetic_documents, tiny_args
-from token_helpers import OFFLINE, config, documents_file, loader
+from helpers import REPO, documents_file, synthetic_documents, tiny_args
+from token_helpers import OFFLINE, config, loader
 
 
 def prepare(out: Path, dataset: Path, *extra: str) -> subprocess.CompletedProcess:

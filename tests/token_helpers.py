@@ -3,18 +3,9 @@ prepared folders with; conftest.py's token_folders fixture prepares three."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
-
-from helpers import synthetic_documents
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-def documents_file(path: Path, n: int, seed: int) -> Path:
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in synthetic_documents(n, seed)))
-    return path
 
 
 def config(*args: str):
