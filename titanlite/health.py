@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from titanlite.dtensors import local
-from titanlite.metrics import log_line
 from titanlite.torchrun import write_error
 
 GRACE = 60  # seconds the collectives wait beyond the watchdog's deadline
