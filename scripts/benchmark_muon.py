@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from titanlite.launch import trainer_command
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "outputs" / "benchmark_muon"
 SHAPE = ["--model.flavor_overrides", "dim=512,n_heads=8,n_kv_heads=8", "--model.n_layers", "8", "--training.seq_len", "128",
@@ -103,12 +105,11 @@ def train(name: str, model: list[str], optimizer: str, lr: str, steps: int) -> l
     extra = ["--optimizer.name", optimizer, "--optimizer.lr", lr]
     if optimizer == "Muon":
         extra += ["--optimizer.adamw_lr", "1e-3"]  # the debug configs' AdamW lr for embeddings, output, norms
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "titanlite.train",
-           "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *model, *extra,
-           "--training.steps", str(steps), "--validation.enable", "--validation.freq", str(steps // 6),
-           "--metrics.log_freq", "10", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(folder),
-           "--training.seq_len", "128", "--validation.seq_len", "128", "--validation.steps", "8",
-           "--debug.seed", "0", "--lr_scheduler.warmup_steps", str(steps // 15)]
+    cmd = trainer_command(1, ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *model, *extra,
+                              "--training.steps", str(steps), "--validation.enable", "--validation.freq", str(steps // 6),
+                              "--metrics.log_freq", "10", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(folder),
+                              "--training.seq_len", "128", "--validation.seq_len", "128", "--validation.steps", "8",
+                              "--debug.seed", "0", "--lr_scheduler.warmup_steps", str(steps // 15)])
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])

@@ -12,9 +12,10 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from titanlite.launch import trainer_command
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {
@@ -28,13 +29,12 @@ VARIANTS = {
 
 
 def run(nproc: int, extra: list[str], args, folder: Path) -> dict:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "titanlite.train", "--job.config_file", str(REPO / "train_configs/debug_model.toml"),
+    cmd = trainer_command(nproc, [
+        "--job.config_file", str(REPO / "train_configs/debug_model.toml"),
         "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
         "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
         "--validation.enable", "false", "--job.dump_folder", str(folder), *extra,
-    ]
+    ])
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][-1]
 

@@ -101,6 +101,21 @@ def run_command(cmd: list[str], timeout: float = 300, **kwargs):
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def launch(nproc: int, args: list[str], expect: int | None = 0, timeout: float = 300, env: dict | None = None,
+           restarts: int = 0, agent: bool = False):
+    """titanlite.launch.trainer_command (torchrun for several ranks, restarts or `agent`; one process
+    runs the trainer itself) on CPU ranks of one thread each. Asserts the exit code is `expect` (None:
+    any); returns the CompletedProcess. Tests of the launcher itself pass agent=True or run run_train.sh."""
+    import os
+
+    from titanlite.launch import trainer_command
+
+    cmd = trainer_command(nproc, args, max_restarts=restarts, agent=agent)
+    out = run_command(cmd, timeout=timeout, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert expect is None or out.returncode == expect, (out.returncode, out.stderr[-3000:])
+    return out
+
+
 def mtp_reference_loss(model, x, y, weight: float, token_inputs: dict | None = None, bos_id: int | None = None,
                        eos_id: int | None = None):
     """(objective, the model's own loss), both summed over tokens, of a model with DeepSeek-V3's

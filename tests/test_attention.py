@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from helpers import tiny_args
-from test_cli import metrics, torchrun
+from helpers import launch, tiny_args
+from test_cli import metrics
 from titanlite.launch import curve_difference
 from titanlite.models import build_model, model_args
 from titanlite.models.common.attention import CoreAttention, build_mask, document_layout
@@ -251,8 +251,7 @@ def test_block_causal_flavor_trains_through_the_cli_on_packed_text(corpus_jsonl,
     }
     curves, logs = {}, {}
     for name, (nproc, extra) in runs.items():
-        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra))
-        assert out.returncode == 0, (name, out.stderr[-3000:])
+        out = launch(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra))
         rows = metrics(tmp_path / name)
         curves[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
         logs[name] = out.stdout

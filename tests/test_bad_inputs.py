@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_command, tiny_args
+from helpers import REPO, launch, run_command, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,6 @@ L4 = ["--model.name", "llama4", "--model.flavor", "debugmodel"]
 def run_train_sh(args: list[str], ngpu: int = 1):
     env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     return run_command(["./run_train.sh", *args], timeout=300, cwd=REPO, env=env)
-
-
-def plain_torchrun(args: list[str], nproc: int = 1):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
-    return run_command(cmd, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def assert_one_line(out, words: str) -> None:
@@ -145,7 +140,7 @@ def test_bad_inputs_stop_run_train_sh_in_one_line(tmp_path):
 @pytest.mark.parametrize("name", RANK_CASES)
 def test_bad_inputs_stop_every_rank_of_plain_torchrun(tmp_path, corpus_jsonl, name):
     args, words = CASES[name]
-    out = plain_torchrun(tiny_args(corpus_jsonl, tmp_path / "run", *args(bad_files(tmp_path / "files"))), nproc=2)
+    out = launch(2, tiny_args(corpus_jsonl, tmp_path / "run", *args(bad_files(tmp_path / "files"))), expect=None)
     assert_the_rank_said(out, words)
 
 
@@ -156,7 +151,7 @@ def checkpoint_listing(folder: Path) -> dict[str, int]:
 def test_a_damaged_checkpoint_names_the_newest_whole_step_and_deletes_nothing(corpus_jsonl, tmp_path):
     """Saved at steps 2 and 4; then step 4's shard is truncated, overwritten and removed in turn."""
     args = tiny_args(corpus_jsonl, tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4")
-    assert plain_torchrun(args).returncode == 0
+    launch(1, args)
     metrics = (tmp_path / "metrics.jsonl").read_text()
     shard = tmp_path / "checkpoint" / "step-4" / "__0_0.distcp"
     data = shard.read_bytes()
@@ -169,7 +164,7 @@ def test_a_damaged_checkpoint_names_the_newest_whole_step_and_deletes_nothing(co
     assert "nothing was deleted. The newest whole checkpoint is step 2: resume from it with --checkpoint.load_step 2" in out.stderr
 
     shard.write_bytes(bytes(len(data)))  # whole length, zeros: found only when its tensors are read
-    out = plain_torchrun(longer, nproc=1)
+    out = launch(1, longer, expect=None, agent=True)
     assert_the_rank_said(out, "checkpoint step 4 is damaged (reading its shards failed: UnpicklingError: Weights only load failed.)")
     assert "--checkpoint.load_step 2" in out.stderr
 
@@ -290,8 +285,8 @@ def test_preflight_checks_wandb_is_installed(preflight_inputs, monkeypatch):
 def test_the_rank_checks_the_dump_folder_before_joining_the_group(tmp_path, corpus_jsonl):
     """The rank's own check (train.main), not preflight's: one line and exit 2 from plain python."""
     (tmp_path / "a_file").write_text("")
-    out = run_command([sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "a_file" / "run")], cwd=REPO)
-    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr[-2000:]
+    out = launch(1, tiny_args(corpus_jsonl, tmp_path / "a_file" / "run"), expect=2)
+    assert out.stderr.strip().count("\n") == 0, out.stderr[-2000:]
     assert "job.dump_folder=" in out.stderr and "cannot be created or written" in out.stderr
 
 

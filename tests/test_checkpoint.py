@@ -13,19 +13,12 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, random_hf_model, run_command, tiny_args
+from helpers import REPO, launch, random_hf_model, run_command, tiny_args
 
 pytestmark = pytest.mark.slow
 
 # A constant lr after warmup (decay_ratio 0): a 10-step run stops on the same schedule as a 20-step one.
 COMMON = ["--checkpoint.enable", "--lr_scheduler.decay_ratio", "0", "--training.data_split", "sequences", "--metrics.log_freq", "1"]
-
-
-def torchrun(nproc: int, args: list[str], timeout: int = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
-    out = run_command(cmd, timeout=timeout, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
 
 
 def losses(folder) -> dict[int, float]:
@@ -43,14 +36,14 @@ def straight(corpus_jsonl, tmp_path_factory) -> dict[int, float]:
     10): what each resumed 1-process run below must log bitwise. Shorter runs log the same steps, as
     the lr does not depend on the run's length and saves do not change training."""
     folder = tmp_path_factory.mktemp("straight")
-    torchrun(1, tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "20", "--checkpoint.interval", "10"))
+    launch(1, tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", "20", "--checkpoint.interval", "10"))
     return losses(folder)
 
 
 def test_exact_resume_after_stop_one_process(corpus_jsonl, tmp_path, straight):
     args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps), "--checkpoint.interval", "10")
-    torchrun(1, args(tmp_path / "resumed", 10))
-    out = torchrun(1, args(tmp_path / "resumed", 20))
+    launch(1, args(tmp_path / "resumed", 10))
+    out = launch(1, args(tmp_path / "resumed", 20))
     assert f"loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / 'step-10'} (" in out.stdout
     resumed = losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(1, 21))  # the resumed run appended steps 11-20
@@ -65,8 +58,8 @@ def test_a_model_only_final_save_is_passed_over_when_resuming(corpus_jsonl, tmp_
     resumes from the newest full checkpoint instead of restarting at step 0 from those weights."""
     args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, "--training.steps", str(steps),
                                            "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "true")
-    torchrun(1, args(tmp_path / "extended", 3))  # full step-2, model-only step-3
-    out = torchrun(1, args(tmp_path / "extended", 5))
+    launch(1, args(tmp_path / "extended", 3))  # full step-2, model-only step-3
+    out = launch(1, args(tmp_path / "extended", 5))
     assert "step-3 holds the model only (last_save_model_only); resuming from step-2" in out.stdout
     assert f"loaded checkpoint {tmp_path / 'extended' / 'checkpoint' / 'step-2'} (" in out.stdout
     extended = losses(tmp_path / "extended")
@@ -74,9 +67,9 @@ def test_a_model_only_final_save_is_passed_over_when_resuming(corpus_jsonl, tmp_
     # Only a model-only checkpoint: one line saying how to start from its weights.
     only = lambda steps: tiny_args(corpus_jsonl, tmp_path / "only", *COMMON, "--training.steps", str(steps),
                                    "--checkpoint.last_save_model_only", "true")
-    torchrun(1, only(1))
-    out = run_command([sys.executable, "-m", "titanlite.train", *only(2)], cwd=REPO)
-    assert out.returncode == 2 and "holds the model only (checkpoint.last_save_model_only=true)" in out.stderr, out.stderr
+    launch(1, only(1))
+    out = launch(1, only(2), expect=2)
+    assert "holds the model only (checkpoint.last_save_model_only=true)" in out.stderr, out.stderr
     assert f"checkpoint.initial_load_path={tmp_path / 'only' / 'checkpoint' / 'step-1'}" in out.stderr
 
 
@@ -101,7 +94,7 @@ def test_a_checkpoint_of_the_older_layout_is_refused_in_one_line(tmp_path):
 def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
     layout = ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "debugmodel_gqa"]
     args = lambda folder: tiny_args(corpus_jsonl, folder, *COMMON, *layout, "--training.steps", "10", "--checkpoint.interval", "5")
-    torchrun(4, args(tmp_path / "straight"))
+    launch(4, args(tmp_path / "straight"))
 
     folder = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "titanlite.train", *args(folder)]
@@ -120,7 +113,7 @@ def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
     assert subprocess.run(["pgrep", "-f", str(folder)], capture_output=True).returncode == 1, "ranks outlived their launcher"
     assert (folder / "checkpoint" / "step-5").exists() and not (folder / "checkpoint" / "step-10").exists()
 
-    out = torchrun(4, args(folder))
+    out = launch(4, args(folder))
     assert f"loaded checkpoint {folder / 'checkpoint' / 'step-5'} (" in out.stdout
     assert first_logged_step(out.stdout) == 6  # it continued from the checkpoint, not from step 1
     straight, resumed = losses(tmp_path / "straight"), losses(folder)
@@ -147,7 +140,7 @@ def test_a_crash_at_any_point_of_a_save_resumes_from_the_last_good_checkpoint(co
         crash(point, args(folder, *keep_one))
         # A half-removed step-2 must not look complete (it still has its .metadata).
         assert complete_steps(folder / "checkpoint") == [last_good], point
-        out = torchrun(1, args(folder, *keep_one))
+        out = launch(1, args(folder, *keep_one))
         assert f"loaded checkpoint {folder / 'checkpoint' / f'step-{last_good}'} (" in out.stdout, (point, out.stdout[-2000:])
         assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-6"], point  # tmp and half-removed folders gone
         resumed = losses(folder)
@@ -159,10 +152,10 @@ def test_a_crash_while_a_step_is_saved_again_keeps_the_old_checkpoint(corpus_jso
     before the new one took its place, the next start puts the old one back: it loads as before."""
     args = lambda *extra: tiny_args(corpus_jsonl, tmp_path, *COMMON, "--training.steps", "6", "--checkpoint.interval", "2",
                                     "--checkpoint.keep_latest_k", "0", *extra)
-    torchrun(1, args())
+    launch(1, args())
     crash("between_renames", args("--checkpoint.load_step", "2"))
     assert not (tmp_path / "checkpoint" / "step-4").exists()
-    out = torchrun(1, args("--checkpoint.load_step", "4"))
+    out = launch(1, args("--checkpoint.load_step", "4"))
     assert f"loaded checkpoint {tmp_path / 'checkpoint' / 'step-4'} (" in out.stdout and " at step 4" in out.stdout, out.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6"]
 
@@ -184,7 +177,7 @@ def test_metadata_that_would_patch_a_class_is_refused(tmp_path):
 def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):
     """Save on FSDP 2; load on TP 2, 1 process and PP 2: the next step's loss matches FSDP 2's own."""
     source = tmp_path / "fsdp2"
-    torchrun(2, tiny_args(corpus_jsonl, source, *COMMON, "--training.steps", "4", "--checkpoint.interval", "3"))
+    launch(2, tiny_args(corpus_jsonl, source, *COMMON, "--training.steps", "4", "--checkpoint.interval", "3"))
     expected = losses(source)[4]
     start = ["--checkpoint.initial_load_path", str(source / "checkpoint" / "step-3"), "--checkpoint.initial_load_model_only", "false",
              "--training.steps", "4"]
@@ -193,7 +186,7 @@ def test_resharding_fsdp2_to_tp2_one_process_and_pp2(corpus_jsonl, tmp_path):
         ("single", 1, ["--training.local_batch_size", "4"]),
         ("pp2", 2, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]),
     ]:
-        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *COMMON, *start, *layout))
+        out = launch(nproc, tiny_args(corpus_jsonl, tmp_path / name, *COMMON, *start, *layout))
         assert "re-split from 2 to 1" in out.stdout, name
         assert list(losses(tmp_path / name)) == [4], name
         assert abs(losses(tmp_path / name)[4] - expected) < 1e-5, (name, losses(tmp_path / name), expected)
@@ -206,11 +199,11 @@ def test_async_save_of_a_float8_fsdp_run_resumes_exactly(corpus_jsonl, tmp_path)
     args = lambda folder, steps: tiny_args(corpus_jsonl, folder, *COMMON, *float8, "--training.steps", str(steps),
                                             "--checkpoint.interval", "3", "--checkpoint.async_mode", "async",
                                             "--checkpoint.keep_latest_k", "2")
-    torchrun(2, args(tmp_path / "straight", 8))
-    out = torchrun(2, args(tmp_path / "async", 6))
+    launch(2, args(tmp_path / "straight", 8))
+    out = launch(2, args(tmp_path / "async", 6))
     assert "async save started" in out.stdout and "async save complete" in out.stdout
     assert sorted(p.name for p in (tmp_path / "async" / "checkpoint").iterdir()) == ["step-3", "step-6"]
-    out = torchrun(2, args(tmp_path / "async", 8))
+    out = launch(2, args(tmp_path / "async", 8))
     assert f"loaded checkpoint {tmp_path / 'async' / 'checkpoint' / 'step-6'} (" in out.stdout
     assert first_logged_step(out.stdout) == 7
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "async")
@@ -220,20 +213,20 @@ def test_async_save_of_a_float8_fsdp_run_resumes_exactly(corpus_jsonl, tmp_path)
 
 def test_seed_checkpoint_gives_every_layout_the_same_start(corpus_jsonl, tmp_path):
     seed = tmp_path / "seed"
-    torchrun(1, tiny_args(corpus_jsonl, seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7"))
+    launch(1, tiny_args(corpus_jsonl, seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7"))
     assert (seed / "checkpoint" / "step-0" / ".metadata").exists()
     from_seed = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"), "--training.steps", "1",
                  "--training.data_split", "sequences"]
-    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "ref7", "--debug.seed", "7", "--training.steps", "1",
-                          "--training.local_batch_size", "4", "--training.data_split", "sequences"))
-    torchrun(2, tiny_args(corpus_jsonl, tmp_path / "fsdp2", *from_seed))  # its own seed (42) is overridden
+    launch(1, tiny_args(corpus_jsonl, tmp_path / "ref7", "--debug.seed", "7", "--training.steps", "1",
+                        "--training.local_batch_size", "4", "--training.data_split", "sequences"))
+    launch(2, tiny_args(corpus_jsonl, tmp_path / "fsdp2", *from_seed))  # its own seed (42) is overridden
     assert abs(losses(tmp_path / "fsdp2")[1] - losses(tmp_path / "ref7")[1]) < 1e-5
 
 
 def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl, tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
     same = ["--checkpoint.enable", "--training.steps", "3", "--model.flavor", "debugmodel_gqa", "--training.data_split", "sequences"]
-    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "run", *same))
+    launch(1, tiny_args(corpus_jsonl, tmp_path / "run", *same))
     step = tmp_path / "run" / "checkpoint" / "step-3"
     convert = [sys.executable, str(REPO / "scripts" / "convert_hf.py")]
     assert run_command([*convert, "to-hf", str(step), str(tmp_path / "hf"), "--flavor", "debugmodel_gqa"], cwd=REPO).returncode == 0
@@ -267,8 +260,8 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
     # The same export from training itself (checkpoint.last_save_in_hf), here by 2 FSDP ranks.
     from safetensors.torch import load_file
 
-    torchrun(2, tiny_args(corpus_jsonl, tmp_path / "fsdp", *same, "--training.local_batch_size", "1",
-                          "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf"))
+    launch(2, tiny_args(corpus_jsonl, tmp_path / "fsdp", *same, "--training.local_batch_size", "1",
+                        "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf"))
     saved = tmp_path / "fsdp" / "checkpoint" / "step-3"
     assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]
     exported, converted = load_file(str(saved / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -280,16 +273,15 @@ def test_hugging_face_export_matches_transformers_and_imports_back(corpus_jsonl,
 
     # Training starts from HF weights (checkpoint.initial_load_in_hf) as from the same weights in DCP.
     first = ["--training.steps", "1", "--model.flavor", "debugmodel_gqa"]
-    from_hf = torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
-                                    "--checkpoint.initial_load_path", str(tmp_path / "sharded")))
-    from_dcp = torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_dcp", *first, "--checkpoint.initial_load_path", str(step)))
+    from_hf = launch(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
+                                  "--checkpoint.initial_load_path", str(tmp_path / "sharded")))
+    launch(1, tiny_args(corpus_jsonl, tmp_path / "from_dcp", *first, "--checkpoint.initial_load_path", str(step)))
     assert "loaded Hugging Face weights" in from_hf.stdout
     assert losses(tmp_path / "from_hf") == losses(tmp_path / "from_dcp")
     assert losses(tmp_path / "from_hf")[1] < 5.0  # trained weights: far below the ~5.6 of random ones (ln 259)
-    wrong = [sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "wrong", "--training.steps", "1",
-             "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf"))]
-    out = run_command(wrong, cwd=REPO)
-    assert out.returncode == 2 and "has num_key_value_heads=4, the model being trained 16" in out.stderr, out.stderr
+    out = launch(1, tiny_args(corpus_jsonl, tmp_path / "wrong", "--training.steps", "1", "--checkpoint.initial_load_in_hf",
+                              "--checkpoint.initial_load_path", str(tmp_path / "hf")), expect=2)
+    assert "has num_key_value_heads=4, the model being trained 16" in out.stderr, out.stderr
 
 
 def _load_pickled_checkpoint(path: str) -> str:
@@ -332,7 +324,7 @@ def test_loading_never_unpickles_code_from_the_metadata(corpus_jsonl, tmp_path):
     (initial_load_path) and converting it each stop with one line naming the file; nothing runs."""
     marker = tmp_path / "code_ran"
     run = tmp_path / "run"
-    torchrun(1, tiny_args(corpus_jsonl, run, "--checkpoint.enable", "--training.steps", "2", "--checkpoint.interval", "2"))
+    launch(1, tiny_args(corpus_jsonl, run, "--checkpoint.enable", "--training.steps", "2", "--checkpoint.interval", "2"))
     step = run / "checkpoint" / "step-2"
     (step / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable}
@@ -354,8 +346,8 @@ def test_moe_resharding_across_expert_parallel_degrees(corpus_jsonl, tmp_path):
 
     moe = [*COMMON, "--model.name", "moe", "--model.flavor", "debugmoe", "--model.moe_load_balance_coeff", "0.01"]
     source = tmp_path / "source"
-    torchrun(2, tiny_args(corpus_jsonl, source, *moe, "--training.steps", "4", "--checkpoint.interval", "3",
-                          "--parallelism.expert_parallel_degree", "2"))
+    launch(2, tiny_args(corpus_jsonl, source, *moe, "--training.steps", "4", "--checkpoint.interval", "3",
+                        "--parallelism.expert_parallel_degree", "2"))
     expected = losses(source)[4]
     saved = read_model_weights(source / "checkpoint" / "step-3", {"layers.1.feed_forward.expert_bias"})
     assert saved["layers.1.feed_forward.expert_bias"].abs().sum() > 0  # it moved in 3 steps
@@ -366,7 +358,7 @@ def test_moe_resharding_across_expert_parallel_degrees(corpus_jsonl, tmp_path):
         ("single", 1, ["--training.local_batch_size", "4"]),
         ("ep4", 4, ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "4"]),
     ]:
-        torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *moe, *start, *layout))
+        launch(nproc, tiny_args(corpus_jsonl, tmp_path / name, *moe, *start, *layout))
         assert list(losses(tmp_path / name)) == [4], name
         if name == "ep2":
             assert losses(tmp_path / name)[4] == expected  # the same layout: bitwise
@@ -459,7 +451,7 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
     # A run on 2 expert-parallel ranks exports its last step in Hugging Face format.
     run = ["--model.name", "moe", "--model.flavor", "debugmoe_qwen3", "--training.steps", "2", "--checkpoint.enable",
            "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf", "--parallelism.expert_parallel_degree", "2"]
-    torchrun(2, tiny_args(corpus_jsonl, tmp_path / "ep2", *run))
+    launch(2, tiny_args(corpus_jsonl, tmp_path / "ep2", *run))
     exported = tmp_path / "ep2" / "checkpoint" / "step-2"
     trained = transformers.Qwen3MoeForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
     from titanlite.models.hf import load_hf
@@ -471,15 +463,15 @@ def test_qwen3_moe_hugging_face_import_and_export_match_transformers(corpus_json
 
     # Training starts from the imported checkpoint as from the Hugging Face folder itself.
     first = ["--model.name", "moe", "--model.flavor", "debugmoe_qwen3", "--training.steps", "1"]
-    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_dcp", *first, "--checkpoint.initial_load_path", str(tmp_path / "dcp")))
-    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
-                          "--checkpoint.initial_load_path", str(tmp_path / "hf")))
+    launch(1, tiny_args(corpus_jsonl, tmp_path / "from_dcp", *first, "--checkpoint.initial_load_path", str(tmp_path / "dcp")))
+    launch(1, tiny_args(corpus_jsonl, tmp_path / "from_hf", *first, "--checkpoint.initial_load_in_hf",
+                        "--checkpoint.initial_load_path", str(tmp_path / "hf")))
     assert losses(tmp_path / "from_dcp") == losses(tmp_path / "from_hf")
 
     # Weights trained with an expert bias cannot go out as Qwen3-MoE: refused before training, on every rank.
     biased = [*first, "--model.moe_load_balance_coeff", "0.01", "--checkpoint.enable", "--checkpoint.last_save_model_only", "false"]
-    torchrun(1, tiny_args(corpus_jsonl, tmp_path / "biased", *biased))
+    launch(1, tiny_args(corpus_jsonl, tmp_path / "biased", *biased))
     export = [*first, "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "true",
               "--checkpoint.initial_load_path", str(tmp_path / "biased" / "checkpoint" / "step-1")]
-    out = run_command([sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "export", *export)], cwd=REPO)
-    assert out.returncode == 2 and "the loaded model's expert bias is not zero" in out.stderr, out.stderr[-2000:]
+    out = launch(1, tiny_args(corpus_jsonl, tmp_path / "export", *export), expect=2)
+    assert "the loaded model's expert bias is not zero" in out.stderr, out.stderr[-2000:]

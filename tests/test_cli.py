@@ -10,16 +10,10 @@ import sys
 
 import pytest
 
-from helpers import REPO, run_command, run_train_env_vars, tiny_args
+from helpers import REPO, launch, run_command, run_train_env_vars, tiny_args
 from titanlite.launch import curve_difference
 
 pytestmark = pytest.mark.slow
-
-
-def torchrun(nproc: int, args: list[str], timeout: int = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return run_command(cmd, timeout=timeout, cwd=REPO, env=env)
 
 
 def metrics(folder) -> list[dict]:
@@ -27,9 +21,8 @@ def metrics(folder) -> list[dict]:
 
 
 def test_torchrun_run_writes_metrics_tensorboard_and_config(corpus_jsonl, tmp_path):
-    out = torchrun(1, tiny_args(corpus_jsonl, tmp_path, "--metrics.enable_tensorboard", "true", "--validation.enable",
-                                "--validation.dataset", str(corpus_jsonl), "--validation.freq", "5"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(1, tiny_args(corpus_jsonl, tmp_path, "--metrics.enable_tensorboard", "true", "--validation.enable",
+                              "--validation.dataset", str(corpus_jsonl), "--validation.freq", "5"), agent=True)
     rows = metrics(tmp_path)
     train = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
@@ -201,8 +194,7 @@ def test_parallel_layouts_match_one_process_through_the_cli(layouts, corpus_json
     losses = {}
     for name in ["single", *layouts]:
         nproc, extra = LAYOUT_RUNS[name]
-        out = torchrun(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra, "--validation.local_batch_size", extra[1]))
-        assert out.returncode == 0, (name, out.stderr[-3000:])
+        launch(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra, "--validation.local_batch_size", extra[1]))
         rows = metrics(tmp_path / name)
         losses[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(losses["single"]) == 8 + 2 and losses["single"][7] < losses["single"][0]
@@ -214,11 +206,11 @@ def test_parallel_layouts_match_one_process_through_the_cli(layouts, corpus_json
 def test_the_launcher_reports_the_latest_attempt_only():
     """torchrun restarts a failed job: a config error of attempt 0 must not stand for attempt 1's
     death by a signal, which keeps torchrun's own report (and exit code 1)."""
-    launch = [sys.executable, "-m", "titanlite.torchrun", "--standalone", "--nproc_per_node", "1"]
+    launcher = [sys.executable, "-m", "titanlite.torchrun", "--standalone", "--nproc_per_node", "1"]
     worker = str(REPO / "tests" / "fail_by_attempt.py")
-    once = run_command([*launch, "--max-restarts", "0", worker], cwd=REPO)
+    once = run_command([*launcher, "--max-restarts", "0", worker], cwd=REPO)
     assert once.returncode == 2 and once.stderr.strip() == "titanlite: config error: attempt 0 says so", once.stderr
-    restarted = run_command([*launch, "--max-restarts", "1", worker], cwd=REPO)
+    restarted = run_command([*launcher, "--max-restarts", "1", worker], cwd=REPO)
     assert restarted.returncode == 1 and "attempt 0 says so" not in restarted.stderr, restarted.stderr
     assert "Signal 9 (SIGKILL)" in restarted.stderr, restarted.stderr
 
@@ -226,8 +218,8 @@ def test_the_launcher_reports_the_latest_attempt_only():
 def test_the_launcher_reports_the_lowest_ranks_error():
     """Three ranks each leave a different line, then exit rank 2 first and rank 0 last: the launcher
     shows rank 0's, once (tests/fail_by_rank.py)."""
-    launch = [sys.executable, "-m", "titanlite.torchrun", "--standalone", "--nproc_per_node", "3", "--max-restarts", "0"]
-    out = run_command([*launch, str(REPO / "tests" / "fail_by_rank.py")], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    launcher = [sys.executable, "-m", "titanlite.torchrun", "--standalone", "--nproc_per_node", "3", "--max-restarts", "0"]
+    out = run_command([*launcher, str(REPO / "tests" / "fail_by_rank.py")], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 2 and out.stderr.strip() == "titanlite: config error: rank 0 says so", out.stderr
 
 

@@ -5,12 +5,11 @@ DeepSeek's float8 release format, YaRN, and the shape checks. Layouts: test_para
 import json
 import math
 import re
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, random_hf_model, run_command, tiny_args
+from helpers import launch, random_hf_model, tiny_args
 from titanlite.config import ConfigError, parse_args
 from titanlite.models import build_model, model_args
 
@@ -402,7 +401,6 @@ def test_yarn_is_said_at_start_up(tmp_path, corpus_jsonl):
         assert args.notes == f"YaRN on: factor 40, original context 4096, softmax scale x{scale:.3f}", flavor
     assert model_args("deepseek_v3", "debugmodel", 256, 2048, 1).notes == ""  # plain RoPE: nothing to say
     # The line in a run's log: a debug model given YaRN by a flavor override (factor 4: (0.1 ln 4 + 1)^2).
-    out = run_command([sys.executable, "-m", "titanlite.train", *tiny_args(corpus_jsonl, tmp_path / "run", "--training.steps", "1",
-                       "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.flavor_overrides", "yarn_factor=4")], cwd=REPO)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = launch(1, tiny_args(corpus_jsonl, tmp_path / "run", "--training.steps", "1", "--model.name", "deepseek_v3", "--model.flavor",
+                              "debugmodel", "--model.flavor_overrides", "yarn_factor=4"))
     assert f"YaRN on: factor 4, original context 4096, softmax scale x{(0.1 * math.log(4) + 1) ** 2:.3f}" in out.stdout + out.stderr

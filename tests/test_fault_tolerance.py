@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, run_command, tiny_args
+from helpers import REPO, launch, run_command, tiny_args
 from titanlite.config import parse_args
 from titanlite.errors import ConfigError
 
@@ -139,10 +139,7 @@ def test_two_replica_groups_hold_the_same_weights_as_one_hsdp_job(corpus_jsonl, 
         groups = [start_group(i, tmp_path / f"group{i}", lighthouse.address, args) for i in range(2)]
         for i, group in enumerate(groups):
             wait(group, tmp_path / f"group{i}")
-    hsdp = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "titanlite.train",
-                        *args(tmp_path / "hsdp"), "--parallelism.data_parallel_replicate_degree", "2"],
-                       timeout=400, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert hsdp.returncode == 0, hsdp.stderr[-3000:]
+    launch(4, [*args(tmp_path / "hsdp"), "--parallelism.data_parallel_replicate_degree", "2"], timeout=400)
     first, second, reference = (final_state(tmp_path / name, 6) for name in ("group0", "group1", "hsdp"))
     assert first.keys() == second.keys() == reference.keys() and len(first) > 20
     assert all(torch.equal(first[k], second[k]) for k in first), [k for k in first if not torch.equal(first[k], second[k])][:5]

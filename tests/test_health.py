@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import sys
 import time
 
 import pytest
 
-from helpers import REPO, run_command, tiny_args
-
-
-def torchrun(nproc: int, folder, *args: str, restarts: int = 0, timeout: int = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max_restarts={restarts}", "-m", "titanlite.train", *args]
-    return run_command(cmd, timeout=timeout, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+from helpers import launch, tiny_args
 
 
 def rows(folder) -> list[dict]:
@@ -32,8 +24,7 @@ def test_a_spike_is_named_by_rank_and_its_update_skipped(corpus_jsonl, tmp_path)
     named, the update skipped, and the run ends with finite losses."""
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "10", "--health.spike_window", "6",
                      "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1")
-    out = torchrun(2, tmp_path, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, args)
     spikes = re.findall(r"step (\d+): spike: [^\n]*?rank (\d) \([^)]*\) holds the largest part (of the [a-z' ]+); update skipped", out.stdout)
     assert set(spikes) == {("7", "1", "of the loss")}, out.stdout[-3000:]  # (each rank prints it)
     assert "a spike at step 7: optimizer step skipped (1 skipped so far)" in out.stdout
@@ -54,14 +45,12 @@ def test_a_rolled_back_spike_ends_as_a_run_that_skipped_its_batches_from_the_sta
     common = ["--training.steps", "12", "--health.spike_window", "6", "--health.spike_policy", "rollback",
               "--health.rollback_batches", "4", "--checkpoint.enable", "--checkpoint.interval", "3"]
     rolled, told = tmp_path / "rolled", tmp_path / "told"
-    out = torchrun(2, rolled, *tiny_args(corpus_jsonl, rolled, *common, "--fault_injection.kind", "spike_batch",
-                                         "--fault_injection.step", "9", "--fault_injection.rank", "1"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, tiny_args(corpus_jsonl, rolled, *common, "--fault_injection.kind", "spike_batch",
+                              "--fault_injection.step", "9", "--fault_injection.rank", "1"))
     assert ("step 9: rolled back to checkpoint step-3; batches 6-9 skipped from now on (to repeat this run from the "
             "start: --health.skip_batches 6-9)") in out.stdout, out.stdout[-3000:]
     assert (rolled / "checkpoint" / "step-6.rolled_back").is_dir()
-    out = torchrun(2, told, *tiny_args(corpus_jsonl, told, *common, "--health.skip_batches", "6-9"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, tiny_args(corpus_jsonl, told, *common, "--health.skip_batches", "6-9"))
     logged = [r for r in rows(rolled) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 10)) + list(range(4, 13))
     final = {r["step"]: r for r in logged}  # the rows after the rollback replace those before it
@@ -76,10 +65,10 @@ def test_a_rolled_back_spike_ends_as_a_run_that_skipped_its_batches_from_the_sta
     assert (summary["attempts"], summary["kept_steps"], summary["lost_steps"]) == (2, 12, 5), summary
     # A spike that rollbacks do not cure stops the run: here no rollback is allowed at all.
     stopped = tmp_path / "stopped"
-    out = torchrun(2, stopped, *tiny_args(corpus_jsonl, stopped, *common, "--health.max_rollbacks", "0",
-                                          "--fault_injection.kind", "spike_batch", "--fault_injection.step", "9",
-                                          "--fault_injection.rank", "1"))
-    assert out.returncode == 1 and "titanlite: step 9: a spike after 0 rollbacks (health.max_rollbacks)" in out.stderr, out.stderr[-3000:]
+    out = launch(2, tiny_args(corpus_jsonl, stopped, *common, "--health.max_rollbacks", "0",
+                              "--fault_injection.kind", "spike_batch", "--fault_injection.step", "9",
+                              "--fault_injection.rank", "1"), expect=1)
+    assert "titanlite: step 9: a spike after 0 rollbacks (health.max_rollbacks)" in out.stderr, out.stderr[-3000:]
 
 
 def test_skipped_batches_are_drawn_and_dropped_and_counted():
@@ -134,9 +123,7 @@ def test_a_resumed_run_checks_against_the_saved_history(corpus_jsonl, tmp_path):
                          "--checkpoint.enable", "--checkpoint.interval", "6", "--lr_scheduler.decay_ratio", "0",
                          "--training.data_split", "sequences", "--fault_injection.kind", "spike_batch",
                          "--fault_injection.step", "8", *extra)
-        out = torchrun(1, folder, *args)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out
+        return launch(1, args)
 
     straight = run(tmp_path / "straight", 10)
     run(tmp_path / "resumed", 6)
@@ -153,8 +140,7 @@ def test_a_flipped_bit_that_makes_the_grad_norm_infinite_is_named_and_skipped(co
     step is named by rank and, with training.skip_nonfinite_steps, skipped."""
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--training.skip_nonfinite_steps",
                      "--fault_injection.kind", "bitflip_grad", "--fault_injection.step", "5", "--fault_injection.rank", "1")
-    out = torchrun(2, tmp_path, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, args)
     assert set(re.findall(r"step (\d+): not finite: grad_norm is inf; rank (\d) \(", out.stdout)) == {("5", "1")}, out.stdout[-3000:]
     assert "grad norm is inf at step 5: optimizer step skipped" in out.stdout
     assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
@@ -166,13 +152,12 @@ def test_a_flipped_gradient_bit_is_classed_by_the_replay_as_a_transient_fault(co
     replay's result is kept, so every logged loss and grad norm is bitwise that of a run without the flip."""
     common = ["--training.steps", "8", "--health.replay"]
     flipped, clean = tmp_path / "flipped", tmp_path / "clean"
-    out = torchrun(2, flipped, *tiny_args(corpus_jsonl, flipped, *common, "--fault_injection.kind", "bitflip_grad",
-                                          "--fault_injection.step", "5", "--fault_injection.rank", "1"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, tiny_args(corpus_jsonl, flipped, *common, "--fault_injection.kind", "bitflip_grad",
+                              "--fault_injection.step", "5", "--fault_injection.rank", "1"))
     assert re.search(r"step 5: replay on the same data differs from the first result on rank 1 \([^)]*\): a transient "
                      r"fault; the first result is dropped, the replay's kept", out.stdout), out.stdout[-3000:]
     assert "optimizer step skipped" not in out.stdout
-    assert torchrun(2, clean, *tiny_args(corpus_jsonl, clean, *common)).returncode == 0
+    launch(2, tiny_args(corpus_jsonl, clean, *common))
     keys = ("step", "loss", "grad_norm")
     logged = lambda folder: [[r[k] for k in keys] for r in rows(folder) if "loss" in r]
     assert len(logged(flipped)) == 8 and logged(flipped) == logged(clean)
@@ -189,8 +174,7 @@ def test_a_poisoned_batch_that_makes_the_loss_nan_is_put_down_to_the_data_and_sk
     moved no weight, does not stop the run."""
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--health.replay", "--fault_injection.kind",
                      "nan_batch", "--fault_injection.step", "6", "--fault_injection.rank", "0")
-    out = torchrun(2, tmp_path, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, args)
     assert "step 6: replay reproduces the result, and every data-parallel rank's batch recomputed" in out.stdout, out.stdout[-3000:]
     assert "a non-finite result of the data at step 6: optimizer step skipped (1 skipped so far)" in out.stdout
     losses = [r["loss"] for r in rows(tmp_path) if "loss" in r]
@@ -203,8 +187,7 @@ def test_a_spiked_batch_is_put_down_to_the_data_by_the_replay(corpus_jsonl, tmp_
     bits it gives at home: the data. The update is skipped and the run goes on."""
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--health.spike_window", "6", "--health.replay",
                      "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1")
-    out = torchrun(2, tmp_path, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, args)
     assert ("step 7: replay reproduces the result, and every data-parallel rank's batch recomputed on the next gives "
             "the same bits there: the data") in out.stdout, out.stdout[-3000:]
     assert "a spike at step 7: optimizer step skipped (1 skipped so far)" in out.stdout
@@ -218,9 +201,9 @@ def test_a_spike_kept_after_the_replay_trains_on_as_a_run_without_the_replay(cor
     common = ["--training.steps", "9", "--health.spike_window", "6", "--health.spike_policy", "warn",
               "--fault_injection.kind", "spike_batch", "--fault_injection.step", "7", "--fault_injection.rank", "1"]
     replayed, plain = tmp_path / "replayed", tmp_path / "plain"
-    out = torchrun(2, replayed, *tiny_args(corpus_jsonl, replayed, *common, "--health.replay"))
-    assert out.returncode == 0 and "step 7: replay reproduces the result" in out.stdout, out.stderr[-3000:]
-    assert torchrun(2, plain, *tiny_args(corpus_jsonl, plain, *common)).returncode == 0
+    out = launch(2, tiny_args(corpus_jsonl, replayed, *common, "--health.replay"))
+    assert "step 7: replay reproduces the result" in out.stdout, out.stdout[-3000:]
+    launch(2, tiny_args(corpus_jsonl, plain, *common))
     logged = lambda folder: [[r[k] for k in ("step", "loss", "grad_norm")] for r in rows(folder) if "loss" in r]
     assert len(logged(plain)) == 9 and logged(replayed) == logged(plain)
 
@@ -235,8 +218,7 @@ def test_a_fault_that_repeats_on_one_rank_is_named_persistent_and_stops_the_run(
     a persistent fault of rank 1, named in one line, exit 1."""
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "8", "--health.spike_window", "6", "--health.replay",
                      "--fault_injection.kind", "spike_rank", "--fault_injection.step", "7", "--fault_injection.rank", "1")
-    out = torchrun(world, tmp_path, *args)
-    assert out.returncode == 1, out.stderr[-3000:]
+    out = launch(world, args, expect=1)
     assert re.search(r"titanlite: step 7: the replay reproduces the result, but recomputed on the next data-parallel rank "
                      r"the batches rank 1 \([^)]*\) computed give other bits: a persistent fault of " + named, out.stderr), out.stderr[-3000:]
 
@@ -248,8 +230,7 @@ def test_a_flipped_weight_in_one_replica_is_found_and_healed(corpus_jsonl, tmp_p
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "6", "--health.replica_check_interval", "2",
                      "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                      "--fault_injection.kind", "bitflip_param", "--fault_injection.step", "3", "--fault_injection.rank", "3")
-    out = torchrun(4, tmp_path, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(4, args)
     healed = set(re.findall(r"step (\d+): rank (\d) \([^)]*\) held weights that differ from its replicas'.*healed from rank (\d)", out.stdout))
     assert healed == {("4", "3", "1")}, out.stdout[-3000:]
     assert [r["health_replica_healed_rank"] for r in rows(tmp_path) if "health_replica_healed_rank" in r] == [3.0]
@@ -261,8 +242,7 @@ def test_a_slowed_rank_is_named_a_straggler(corpus_jsonl, tmp_path):
     args = tiny_args(corpus_jsonl, tmp_path, "--training.steps", "9", "--health.straggler_interval", "1",
                      "--fault_injection.kind", "slow", "--fault_injection.rank", "1", "--fault_injection.step", "3",
                      "--fault_injection.steps", "7", "--fault_injection.seconds", "1")
-    out = torchrun(2, tmp_path, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, args)
     named = re.findall(r"step (\d+): straggler: rank (\d) \(", out.stdout)
     assert set(named) == {("5", "1")}, out.stdout[-3000:]
     assert [r["health_straggler_rank"] for r in rows(tmp_path) if "health_straggler_rank" in r] == [1.0]
@@ -276,8 +256,7 @@ def test_a_hung_rank_is_named_its_stacks_written_and_the_restart_resumes(corpus_
                      "--comm.train_timeout_seconds", "10", "--fault_injection.kind", "hang", "--fault_injection.rank", "1",
                      "--fault_injection.step", "4")
     start = time.monotonic()
-    out = torchrun(2, tmp_path, *args, restarts=1)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(2, args, restarts=1)
     line = re.search(r"titanlite: step 4 ran past comm.train_timeout_seconds=10: rank 1 \([^)]*\) did not reach what the others did", out.stderr + out.stdout)
     assert line, (out.stdout[-2000:], out.stderr[-3000:])
     stacks = sorted(p.name for p in (tmp_path / "hang").iterdir())

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import tiny_args
-from test_cli import metrics, torchrun
+from helpers import launch, tiny_args
+from test_cli import metrics
 from titanlite.hardware import GPU, find_gpu
 from titanlite.models import model_args
 from titanlite.models.llama3.args import LLAMA3_FLAVORS
@@ -19,8 +19,7 @@ SEQ, BATCH = 512, 4  # activations dominate the fp32 debug model at this size
 
 
 def measured_peak_gib(corpus, folder, nproc, *extra) -> float:
-    out = torchrun(nproc, tiny_args(corpus, folder, "--training.steps", "2", "--training.mixed_precision_param", "float32", *extra))
-    assert out.returncode == 0, out.stderr[-3000:]
+    launch(nproc, tiny_args(corpus, folder, "--training.steps", "2", "--training.mixed_precision_param", "float32", *extra))
     return max(r["memory_gib"] for r in metrics(folder))
 
 

@@ -6,14 +6,12 @@ muon_qkclip_* cases."""
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
-from helpers import REPO, run_command, tiny_args
+from helpers import launch, tiny_args
 
 MODELS = {  # (family, flavor, changes): one block, no multi-token prediction (a clipped block changes the next one's input)
     "mha": ("llama3", "debugmodel", {}),
@@ -117,11 +115,7 @@ def test_bad_qk_clip_settings_are_one_line(args, words):
 
 def test_qk_clip_on_query_key_norms_is_refused_in_one_line(corpus_jsonl, tmp_path):
     """Qwen3's q/k head norms undo any scaling of W_q and W_k: the run stops before training, exit 2."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "titanlite.train",
-           *tiny_args(corpus_jsonl, tmp_path, "--model.name", "moe", "--model.flavor", "debugmoe_qwen3", "--optimizer.name", "Muon",
-                      "--optimizer.qk_clip_threshold", "100")]
-    out = run_command(cmd, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode != 0 and "exitcode  : 2" in out.stderr, out.stderr[-2000:]
-    first = out.stderr.splitlines()[0]  # the rank's one line (torchrun's own report follows it)
-    assert first.startswith("titanlite: config error: optimizer.qk_clip_threshold=100.0 with model moe flavor debugmoe_qwen3: "
-                            "its q/k head norms undo any scaling of the projections"), out.stderr[-2000:]
+    out = launch(1, tiny_args(corpus_jsonl, tmp_path, "--model.name", "moe", "--model.flavor", "debugmoe_qwen3", "--optimizer.name",
+                              "Muon", "--optimizer.qk_clip_threshold", "100"), expect=2)
+    assert out.stderr.strip().startswith("titanlite: config error: optimizer.qk_clip_threshold=100.0 with model moe flavor debugmoe_qwen3: "
+                                         "its q/k head norms undo any scaling of the projections"), out.stderr[-2000:]

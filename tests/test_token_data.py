@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, documents_file, synthetic_documents, tiny_args
+from helpers import REPO, documents_file, launch, synthetic_documents, tiny_args
 from token_helpers import OFFLINE, config, loader
 
 
@@ -234,21 +234,12 @@ def metrics(folder: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
 
 
-def train(nproc: int, args: list[str]):
-    from helpers import run_command
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
-    out = run_command(cmd, timeout=300, cwd=REPO, env=OFFLINE)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 def test_training_from_shards_logs_the_text_paths_losses(token_folders, tmp_path):
     """Shuffle off, 1 process: 4 steps from the prepared folder log the text path's losses bitwise."""
     text = tmp_path / "text"
-    train(1, tiny_args(token_folders["web_text"], text, "--training.steps", "4", "--training.data_split", "sequences"))
+    launch(1, tiny_args(token_folders["web_text"], text, "--training.steps", "4", "--training.data_split", "sequences"))
     shards = tmp_path / "shards"
-    train(1, tiny_args(token_folders["web"], shards, "--training.steps", "4", "--training.dataset_shuffle", "false"))
+    launch(1, tiny_args(token_folders["web"], shards, "--training.steps", "4", "--training.dataset_shuffle", "false"))
     a, b = ([r["loss"] for r in metrics(f) if "loss" in r] for f in (text, shards))
     assert len(a) == len(b) == 4 and a == b and all(x == x for x in a), (a, b)
 
@@ -264,14 +255,14 @@ def test_a_three_source_mixture_on_fsdp2_resumes_bitwise_and_reports_each_source
             "--lr_scheduler.decay_ratio", "0", "--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "2",
             "--validation.dataset_mixture", "0.25 {code},0.75 {math}".format(**token_folders), "--training.local_batch_size", "5"]
     straight = tmp_path / "straight"
-    train(2, tiny_args(token_folders["web"], straight, *args))
+    launch(2, tiny_args(token_folders["web"], straight, *args))
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoint" / "step-6")
     rows = metrics(straight)
     kept = [line for line in (straight / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
     (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
-    out = train(2, tiny_args(token_folders["web"], resumed, *args))
+    out = launch(2, tiny_args(token_folders["web"], resumed, *args))
     assert "loaded checkpoint" in out.stdout + out.stderr
     assert metrics(resumed) == rows  # every row of steps 4-6 bitwise, timings aside
     train_rows = [r for r in rows if "loss" in r]

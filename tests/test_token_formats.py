@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import tiny_args
+from helpers import launch, tiny_args
 from token_helpers import OFFLINE, config, loader
 
 MEGATRON = r"""
@@ -193,10 +193,10 @@ def test_ids_past_the_vocabulary_stop_the_loader_in_one_line(token_folders, tmp_
 
 
 def test_a_damaged_shard_stops_run_train_sh_and_every_torchrun_rank_in_one_line(token_folders, tmp_path):
-    from test_bad_inputs import assert_one_line, assert_the_rank_said, plain_torchrun, run_train_sh
+    from test_bad_inputs import assert_one_line, assert_the_rank_said, run_train_sh
 
     bad = damaged_token_files(tmp_path, token_folders)
     args = ["--job.dump_folder", str(tmp_path / "run"), "--model.hf_assets_path", "byte", "--training.seq_len", "32"]
     assert_one_line(run_train_sh([*args, "--training.dataset_path", str(bad["truncated"])]), "part-00000.bin' is")
-    out = plain_torchrun(tiny_args(token_folders["web"], tmp_path / "run", "--training.dataset_path", str(bad["version"])), nproc=2)
+    out = launch(2, tiny_args(token_folders["web"], tmp_path / "run", "--training.dataset_path", str(bad["version"])), expect=None)
     assert_the_rank_said(out, "has index version 2")

@@ -12,16 +12,9 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, run_command, tiny_args
+from helpers import REPO, launch, run_command, tiny_args
 
 pytestmark = pytest.mark.slow
-
-
-def run(nproc: int, args: list[str], env: dict | None = None, expect: int = 0):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titanlite.train", *args]
-    out = run_command(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert out.returncode == expect, out.stderr[-3000:]
-    return out
 
 
 def run_train_sh(ngpu: int, args: list[str]):
@@ -37,11 +30,11 @@ def losses(folder) -> list[float]:
 def test_float8_converter_config_printing_all_ranks_metrics_and_whole_validation_on_two_ranks(corpus_jsonl, tmp_path):
     small = tmp_path / "validation.jsonl"
     small.write_text("".join(corpus_jsonl.read_text().splitlines(keepends=True)[:20]))
-    out = run(2, tiny_args(corpus_jsonl, tmp_path, "--training.steps", "2", "--model.converters", "float8",
-                           "--quantize.linear.float8.emulate", "true", "--job.print_config",
-                           "--job.save_config_file", "resolved/config.json", "--model.print_after_conversion",
-                           "--metrics.enable_tensorboard", "true", "--metrics.save_for_all_ranks",
-                           "--validation.enable", "--validation.dataset", str(small), "--validation.steps", "-1"))
+    out = launch(2, tiny_args(corpus_jsonl, tmp_path, "--training.steps", "2", "--model.converters", "float8",
+                              "--quantize.linear.float8.emulate", "true", "--job.print_config",
+                              "--job.save_config_file", "resolved/config.json", "--model.print_after_conversion",
+                              "--metrics.enable_tensorboard", "true", "--metrics.save_for_all_ranks",
+                              "--validation.enable", "--validation.dataset", str(small), "--validation.steps", "-1"))
     assert sorted(p.relative_to(tmp_path / "tb").parts[0] for p in (tmp_path / "tb").rglob("events.out.tfevents.*")) == [
         "rank_0", "rank_1"]
     (validation,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
@@ -64,19 +57,19 @@ def test_hf_assets_folder_gives_the_tokenizer(corpus_jsonl, tmp_path):
     (assets / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
     args = tiny_args(corpus_jsonl, tmp_path / "run", "--training.steps", "1")
     args[args.index("--model.hf_assets_path") + 1] = str(assets)
-    run(1, args)
+    launch(1, args)
     # The deprecated model.tokenizer_path still works, wins over hf_assets_path, and says so.
-    out = run(1, [*args, "--model.tokenizer_path", "byte", "--job.dump_folder", str(tmp_path / "old")])
+    out = launch(1, [*args, "--model.tokenizer_path", "byte", "--job.dump_folder", str(tmp_path / "old")])
     assert "model.tokenizer_path is deprecated" in out.stdout
     assert losses(tmp_path / "old")[0] < losses(tmp_path / "run")[0]  # 259 byte tokens vs 8192: a lower first loss
 
 
 def test_debug_seed_none_draws_one_shared_seed_and_a_seed_repeats_a_run(corpus_jsonl, tmp_path):
     same = ["--training.steps", "1", "--training.data_split", "sequences"]
-    out = run(2, tiny_args(corpus_jsonl, tmp_path / "drawn", *same, "--debug.seed", "none"))
+    out = launch(2, tiny_args(corpus_jsonl, tmp_path / "drawn", *same, "--debug.seed", "none"))
     seed = int(out.stdout.split("debug.seed is none: seed ")[1].split()[0])
     assert f"seed = {seed}" in (tmp_path / "drawn" / "config.toml").read_text()  # the saved config repeats the run
-    again = run(1, tiny_args(corpus_jsonl, tmp_path / "set", *same, "--debug.seed", str(seed), "--training.local_batch_size", "4"))
+    again = launch(1, tiny_args(corpus_jsonl, tmp_path / "set", *same, "--debug.seed", str(seed), "--training.local_batch_size", "4"))
     assert "drawn at random" not in again.stdout
     # FSDP ranks initialize their own shards: only one seed shared by both gives 1 process's weights.
     assert abs(losses(tmp_path / "drawn")[0] - losses(tmp_path / "set")[0]) < 1e-5
@@ -86,17 +79,17 @@ def test_debug_seed_none_draws_one_shared_seed_and_a_seed_repeats_a_run(corpus_j
 def test_full_bf16_and_loader_workers_train(corpus_formats, tmp_path):
     from titanlite.checkpoint.reader import read_tensor_metadata
 
-    run(1, tiny_args(corpus_formats["shards"], tmp_path / "bf16", "--training.steps", "2", "--training.dtype", "bfloat16",
-                     "--checkpoint.enable"))
+    launch(1, tiny_args(corpus_formats["shards"], tmp_path / "bf16", "--training.steps", "2", "--training.dtype", "bfloat16",
+                        "--checkpoint.enable"))
     assert len(losses(tmp_path / "bf16")) == 2 and all(torch.isfinite(torch.tensor(losses(tmp_path / "bf16"))))
     _, saved = read_tensor_metadata(tmp_path / "bf16" / "checkpoint" / "step-2", ())
     weights = [m for key, m in saved.items() if key.startswith("model.")]
     moments = [m for key, m in saved.items() if key.startswith("optimizer.") and key.endswith(("exp_avg", "exp_avg_sq"))]
     assert weights and moments and {m.properties.dtype for m in weights + moments} == {torch.bfloat16}
     common = ["--training.steps", "3", "--training.data_split", "documents"]
-    run(2, tiny_args(corpus_formats["shards"], tmp_path / "plain", *common))
-    run(2, tiny_args(corpus_formats["shards"], tmp_path / "worker", *common, "--training.dataloader.num_workers", "1",
-                     "--training.dataloader.prefetch_factor", "4"))
+    launch(2, tiny_args(corpus_formats["shards"], tmp_path / "plain", *common))
+    launch(2, tiny_args(corpus_formats["shards"], tmp_path / "worker", *common, "--training.dataloader.num_workers", "1",
+                        "--training.dataloader.prefetch_factor", "4"))
     assert losses(tmp_path / "worker") == losses(tmp_path / "plain")  # one worker reads what the rank itself would
 
 
@@ -104,13 +97,13 @@ def test_two_loader_workers_resume_exactly(corpus_formats, tmp_path):
     """Each worker reads whole files of the rank's share; the loader's state holds every worker's."""
     workers = ["--training.dataloader.num_workers", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
                "--lr_scheduler.decay_ratio", "0"]
-    run(1, tiny_args(corpus_formats["shards"], tmp_path / "whole", *workers, "--training.steps", "4"))
-    run(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers, "--training.steps", "2"))
-    out = run(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers, "--training.steps", "4"))
+    launch(1, tiny_args(corpus_formats["shards"], tmp_path / "whole", *workers, "--training.steps", "4"))
+    launch(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers, "--training.steps", "2"))
+    out = launch(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers, "--training.steps", "4"))
     assert "loaded checkpoint" in out.stdout and "at step 2" in out.stdout
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
     # Another worker count reads the files in another order: the data restarts, said so, the rest resumes.
-    out = run(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers[2:], "--training.steps", "6"))
+    out = launch(1, tiny_args(corpus_formats["shards"], tmp_path / "split", *workers[2:], "--training.steps", "6"))
     assert "data position NOT restored: saved with training.dataloader.num_workers=2, now 0" in out.stdout
     assert "at step 4" in out.stdout
     one_file = run_train_sh(1, tiny_args(corpus_formats["jsonl"], tmp_path / "one", "--training.dataloader.num_workers", "2"))
@@ -120,10 +113,10 @@ def test_two_loader_workers_resume_exactly(corpus_formats, tmp_path):
 
 def test_first_step_checkpoint_load_only_and_total_steps(corpus_jsonl, tmp_path):
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.enable_first_step_checkpoint"]
-    run(1, tiny_args(corpus_jsonl, tmp_path, *ckpt, "--training.steps", "3"))
+    launch(1, tiny_args(corpus_jsonl, tmp_path, *ckpt, "--training.steps", "3"))
     folder = tmp_path / "checkpoint"
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-3"]
-    out = run(1, tiny_args(corpus_jsonl, tmp_path, *ckpt, "--training.steps", "5", "--checkpoint.load_only"))
+    out = launch(1, tiny_args(corpus_jsonl, tmp_path, *ckpt, "--training.steps", "5", "--checkpoint.load_only"))
     assert "loaded checkpoint" in out.stdout and sorted(p.name for p in folder.iterdir()) == ["step-1", "step-3"]
 
     from titanlite.config import parse_args
@@ -246,7 +239,7 @@ def wandb_history(run_folder) -> list[dict]:
 
 def test_wandb_offline_run_logs_the_tensorboard_scalars(corpus_jsonl, tmp_path):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
-    run(1, tiny_args(corpus_jsonl, tmp_path, "--training.steps", "3", "--metrics.enable_wandb"), env={"WANDB_MODE": "offline"})
+    launch(1, tiny_args(corpus_jsonl, tmp_path, "--training.steps", "3", "--metrics.enable_wandb"), env={"WANDB_MODE": "offline"})
     rows = [r for r in wandb_history(tmp_path) if "loss/loss" in r]  # TensorBoard's grouped tags
     assert [r["_step"] for r in rows] == [1, 2, 3]
     assert [r["loss/loss"] for r in rows] == losses(tmp_path)

@@ -13,15 +13,26 @@ import sys
 from pathlib import Path
 
 
+def trainer_command(nproc: int, args: list[str], max_restarts: int = 0, agent: bool = False, shown: str = "") -> list[str]:
+    """`titanlite.train ARGS` on `nproc` ranks: under torchrun --standalone for several ranks, restarts
+    or `agent` (`shown`: the ranks whose output it passes on, default all); one process otherwise runs
+    the trainer itself, a world of 1 as under torchrun, without the agent (which imports torch a second
+    time: ~3 s of CPU)."""
+    cmd = [sys.executable, "-m", "titanlite.train", *args]
+    if nproc > 1 or max_restarts or agent:
+        agent_args = ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}"]
+        cmd[2:2] = [*agent_args, *([f"--local-ranks-filter={shown}"] if shown else []), "-m"]
+    return cmd
+
+
 def run_trainer(nproc: int, args: list[str], threads_per_rank: int | None = None, log: Path | None = None,
                 timeout: float | None = None) -> None:
-    """torchrun --standalone -m titanlite.train ARGS; rank 0's output goes to `log` (or the console).
-    Raises with the log's tail if the run fails or outlasts `timeout` seconds (then torchrun and its ranks are stopped)."""
+    """trainer_command(nproc, args): rank 0's output goes to `log` (or the console). Raises with the
+    log's tail if the run fails or outlasts `timeout` seconds (then torchrun and its ranks are stopped)."""
     env = dict(os.environ)
     if threads_per_rank:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--local-ranks-filter=0", "-m", "titanlite.train", *args]
+    cmd = trainer_command(nproc, args, shown="0")
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") if log is not None else contextlib.nullcontext() as out:
