@@ -3,8 +3,8 @@
     python scripts/memory.py cp [--seq-len 4096] [--steps 3]     # context parallel 1 vs 2
     python scripts/memory.py ac [--seq-len 2048] [--batch 4]     # activation checkpointing none / op / full
 
-Each variant runs the debug model through torchrun (-m titanlite.train) for a few steps; the script
-reads its metrics.jsonl and prints peak memory per rank (CUDA: max reserved; CPU: peak RSS,
+Each variant runs the debug model for a few steps (titanlite.launch.trainer_command: torchrun for several
+ranks); the script reads its metrics.jsonl and prints peak memory per rank (CUDA: max reserved; CPU: peak RSS,
 including ~0.5 GiB of process baseline) and the last loss (which must not change).
 """
 

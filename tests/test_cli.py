@@ -1,4 +1,4 @@
-"""End to end through the real CLI: torchrun (and run_train.sh) -> metrics.jsonl, TensorBoard, the saved
+"""End to end through the real CLI: run_train.sh, torchrun or one process -> metrics.jsonl, TensorBoard, the saved
 config; the same losses on 1 process and on parallel layouts; clear one-line errors; the dry run."""
 
 import contextlib

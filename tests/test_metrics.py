@@ -116,3 +116,19 @@ def test_tensorboard_tags_are_grouped_with_the_loss_chart_first(tmp_path):
             if key != "step":
                 (event,) = scalars.Scalars(tag(key))
                 assert event.step == 1 and event.value == pytest.approx(value, rel=1e-6), key
+
+
+def test_host_peak_memory_is_the_process_own_not_its_launchers():
+    """A trainer started by a process that touched 1.5 GiB (a pytest worker, a launcher) reports its
+    own peak: ru_maxrss would carry the starter's over exec. The peak grows by what the process touches."""
+    import subprocess
+    import sys
+
+    child = ("import torch; from titanlite.metrics import peak_memory_gib; cpu = torch.device('cpu'); before = peak_memory_gib(cpu); "
+             "t = torch.ones(300 * 2**20 // 4); print(before, peak_memory_gib(cpu))")
+    starter = f"import subprocess, sys; big = b'1' * 1536 * 2**20; sys.exit(subprocess.run([sys.executable, '-c', {child!r}]).returncode)"
+    out = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(float, out.stdout.split())
+    assert 0.05 < before < 1.0, before  # torch imported: some hundreds of MiB, not the starter's 1.5 GiB
+    assert 0.27 < after - before < 0.33, (before, after)  # 300 MiB touched

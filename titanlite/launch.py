@@ -1,5 +1,6 @@
-"""Run the real trainer under torchrun from a script, read its metrics, draw figures: shared by
-scripts/benchmark.py and scripts/loss_compare.py."""
+"""The real trainer's command (torchrun for several ranks, the trainer itself for one process) and its
+run from a script; read its metrics, draw figures: shared by the scripts (benchmark.py, loss_compare.py,
+compare_torchtitan.py, memory.py, benchmark_muon.py) and the tests (tests/helpers.py's launch)."""
 
 from __future__ import annotations
 

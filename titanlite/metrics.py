@@ -62,7 +62,21 @@ def power_reader(device: torch.device) -> tuple[str, Callable[[], float]] | None
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+    return host_peak_bytes() / 2**30
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident memory: Linux's VmHWM. getrusage's ru_maxrss keeps, across exec, the
+    peak of the process that started this one (a trainer started by a 2 GiB pytest or launcher would
+    report 2 GiB); it is the fallback where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 # ANSI colours of the console line's fields, on a terminal only (see use_color).

@@ -11,7 +11,6 @@ import ctypes
 import gc
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -37,11 +36,9 @@ from titanlite.trainer import Trainer
 def init_distributed(config: JobConfig) -> torch.device:
     """Join the process group (nccl on CUDA, gloo on CPU); a plain `python -m` run is a world of 1."""
     init_timeout = config.comm.init_timeout_seconds
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0")
+    plain = "RANK" not in os.environ
+    if plain:
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0")
         os.environ.setdefault("WORLD_SIZE", "1")
     if config.dry_run:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -56,7 +53,14 @@ def init_distributed(config: JobConfig) -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
         reuse_freed_host_memory()
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=init_timeout)))
+    if plain:
+        # The store binds a port the kernel picks: a free port looked up first could be taken by another
+        # process before the store binds it. MASTER_PORT then names it (torchft's Manager reads it).
+        rank, world_size = 0, int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=init_timeout))
+        os.environ["MASTER_PORT"] = str(store.port)
+    else:
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=init_timeout)))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # The workers share torchrun's agent store, which outlives a restart and still holds the dead
         # attempt's gloo addresses: a prefix per attempt keeps the new ranks from waiting on them. (It
