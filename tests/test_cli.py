@@ -183,24 +183,34 @@ LAYOUT_RUNS = {
 }
 
 
+def layout_curve(name: str, corpus_jsonl, folder) -> list[float]:
+    """8 steps and 2 validations of LAYOUT_RUNS[name]: the training losses, then the validation losses."""
+    common = ["--training.steps", "8", "--training.data_split", "sequences", "--model.flavor", "debugmodel_gqa",
+              "--validation.enable", "--validation.dataset", str(corpus_jsonl), "--validation.freq", "4"]
+    nproc, extra = LAYOUT_RUNS[name]
+    launch(nproc, tiny_args(corpus_jsonl, folder, *common, *extra, "--validation.local_batch_size", extra[1]))
+    rows = metrics(folder)
+    return [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_process_curve(corpus_jsonl, tmp_path_factory) -> list[float]:
+    """The curve every layout below must follow: run once for all of them."""
+    curve = layout_curve("single", corpus_jsonl, tmp_path_factory.mktemp("single"))
+    assert len(curve) == 8 + 2 and curve[7] < curve[0]
+    return curve
+
+
 @pytest.mark.parametrize("layouts", [
     pytest.param(["pp2", "fsdp2_tp2"], id="pp2_fsdp2_tp2"),
     pytest.param(["single_compiled", "fsdp2"], marks=pytest.mark.full, id="compiled_fsdp2"),
 ])
-def test_parallel_layouts_match_one_process_through_the_cli(layouts, corpus_jsonl, tmp_path):
+def test_parallel_layouts_match_one_process_through_the_cli(layouts, one_process_curve, corpus_jsonl, tmp_path):
     """Free-running loss curves of 8 steps and 2 validations against 1 process's (same global batches)."""
-    common = ["--training.steps", "8", "--training.data_split", "sequences", "--model.flavor", "debugmodel_gqa",
-              "--validation.enable", "--validation.dataset", str(corpus_jsonl), "--validation.freq", "4"]
-    losses = {}
-    for name in ["single", *layouts]:
-        nproc, extra = LAYOUT_RUNS[name]
-        launch(nproc, tiny_args(corpus_jsonl, tmp_path / name, *common, *extra, "--validation.local_batch_size", extra[1]))
-        rows = metrics(tmp_path / name)
-        losses[name] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
-    assert len(losses["single"]) == 8 + 2 and losses["single"][7] < losses["single"][0]
-    for name, curve in losses.items():
-        diff = curve_difference(curve, losses["single"])
-        assert diff < 1e-4, f"{name}: {curve} vs {losses['single']} (max diff {diff:.2e})"
+    for name in layouts:
+        curve = layout_curve(name, corpus_jsonl, tmp_path / name)
+        diff = curve_difference(curve, one_process_curve)
+        assert diff < 1e-4, f"{name}: {curve} vs {one_process_curve} (max diff {diff:.2e})"
 
 
 def test_the_launcher_reports_the_latest_attempt_only():
