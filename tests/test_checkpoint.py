@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import REPO, launch, random_hf_model, run_command, tiny_args
+from titanlite.launch import trainer_command
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +98,7 @@ def test_exact_resume_after_kill_9_fsdp2_tp2(corpus_jsonl, tmp_path):
     launch(4, args(tmp_path / "straight"))
 
     folder = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "titanlite.train", *args(folder)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    proc = subprocess.Popen(trainer_command(4, args(folder)), cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not (folder / "checkpoint" / "step-5" / ".metadata").exists() and time.monotonic() < deadline:

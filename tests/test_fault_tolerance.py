@@ -16,6 +16,7 @@ import torch
 from helpers import REPO, launch, run_command, tiny_args
 from titanlite.config import parse_args
 from titanlite.errors import ConfigError
+from titanlite.launch import trainer_command
 
 torchft = pytest.importorskip("torchft")
 
@@ -82,8 +83,7 @@ class Lighthouse:
 def start_group(replica_id: int, folder: Path, lighthouse: str, args) -> subprocess.Popen:
     """One replica group: torchrun of 2 ranks in a session of its own (killed as a whole)."""
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanlite.train",
-           *args(folder), *FT, "--fault_tolerance.replica_id", str(replica_id)]
+    cmd = trainer_command(2, [*args(folder), *FT, "--fault_tolerance.replica_id", str(replica_id)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(folder / "out.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
